@@ -1,0 +1,78 @@
+"""Sans-IO classification of OpenAI-style SSE events into ``Frame``s.
+
+llama-server, the embedded engine and Ollama's ``/v1`` API all stream OpenAI chunks; this
+module turns one decoded SSE event into a typed frame, once, so the relay and the figures
+never re-parse JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from adapters.base import Frame, FrameKind, Progress
+from proxy.errors import UpstreamProtocolError
+from proxy.sse import SSEEvent
+
+
+def classify(event: SSEEvent) -> Frame:
+    if event.is_comment_only:
+        return Frame(FrameKind.PING, event.raw)
+    if event.data.strip() == "[DONE]":
+        return Frame(FrameKind.DONE, event.raw)
+    data = _parse_object(event.data)
+    if "error" in data:
+        return Frame(FrameKind.ERROR, event.raw, data)
+    progress = parse_progress(data.get("prompt_progress"))
+    choices = data.get("choices")
+    if choices == [] and "usage" in data:
+        return Frame(FrameKind.USAGE, event.raw, data, progress)
+    has_output = chunk_has_output(choices)
+    if progress is not None and not has_output and not _has_finish(choices):
+        return Frame(FrameKind.PROGRESS, event.raw, data, progress)
+    return Frame(FrameKind.CHUNK, event.raw, data, progress, has_output)
+
+
+def parse_progress(value: object) -> Progress | None:
+    if not isinstance(value, Mapping):
+        return None
+    try:
+        return Progress(
+            total=int(value["total"]), cache=int(value["cache"]),
+            processed=int(value["processed"]), time_ms=float(value.get("time_ms", 0.0)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def chunk_has_output(choices: object) -> bool:
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, Mapping):
+            continue
+        if choice.get("text"):  # /v1/completions
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping) and (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+def _has_finish(choices: object) -> bool:
+    return isinstance(choices, list) and any(
+        isinstance(choice, Mapping) and choice.get("finish_reason") for choice in choices
+    )
+
+
+def _parse_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UpstreamProtocolError(f"engine sent an SSE event that is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UpstreamProtocolError("engine sent an SSE event that is not a JSON object")
+    return value

@@ -1,0 +1,132 @@
+"""The narrow protocol every engine adapter implements, and the types it speaks.
+
+An adapter knows one engine's wire format and endpoints; it holds no policy. The proxy
+asks it to probe the engine, to open a streaming generation (yielding normalized
+``Frame``s), and, where ``Capabilities`` say so, to list, save, restore and erase slots and
+to render and tokenize prompts exactly as the engine would.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    slots: bool = False  # requests can be pinned to a slot (id_slot) and /slots is readable
+    slot_files: bool = False  # a slot's tokens + KV can be saved to and restored from a file
+    progress: bool = False  # the engine reports prompt progress, the first report before prefill
+    measured_cache: bool = False  # the engine reports cached prompt tokens itself
+    render: bool = False  # the engine renders its chat template and tokenizes on request
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine: str
+    model: str
+    n_slots: int
+    n_ctx_slot: int
+    build: str = ""
+    start_time: float | None = None  # engine process start (a change means a restart)
+    slot_save_path: bool = False
+    n_swa: int = 0  # sliding-window size; 0 for full attention (any prefix is reusable)
+    chat_template: str | None = None
+    props: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    id: int
+    is_processing: bool
+    n_ctx: int
+    n_prompt_tokens: int  # tokens the slot holds now
+    id_task: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFileResult:
+    slot: int
+    filename: str
+    n_tokens: int
+    n_bytes: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+class FrameKind(enum.Enum):
+    PROGRESS = "progress"  # prompt progress only, no output
+    CHUNK = "chunk"  # an output chunk (text, tool-call delta, role, finish)
+    USAGE = "usage"  # the final usage-only chunk (choices: [])
+    DONE = "done"  # data: [DONE]
+    ERROR = "error"  # an error event from the engine mid-stream
+    PING = "ping"  # the engine's own keep-alive comment
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One event of an engine's output stream, parsed once and kept with its exact bytes."""
+
+    kind: FrameKind
+    raw: bytes
+    data: Mapping[str, Any] | None = None
+    progress: Progress | None = None
+    has_output: bool = False  # carries generated text or a tool-call delta (stops the TTFT clock)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    path: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class UpstreamStream(Protocol):
+    """An open engine response: status first, then frames (or the error body)."""
+
+    status_code: int
+    content_type: str | None
+
+    async def aread_error(self) -> bytes: ...
+
+    def aiter_frames(self) -> AsyncIterator[Frame]: ...
+
+
+class Adapter(Protocol):
+    name: str
+    capabilities: Capabilities
+    http: httpx.AsyncClient  # bound to the engine's base URL; used for pass-through
+
+    async def probe(self) -> EngineInfo: ...
+
+    def prepare(self, path: str, body: Mapping[str, Any], *, slot: int | None) -> UpstreamCall:
+        """The engine request for a client body: streaming, progress and usage always on."""
+        ...
+
+    def open_stream(self, call: UpstreamCall) -> AbstractAsyncContextManager[UpstreamStream]: ...
+
+    async def list_slots(self) -> list[SlotState]: ...
+
+    async def save_slot(self, slot: int, filename: str) -> SlotFileResult: ...
+
+    async def restore_slot(self, slot: int, filename: str) -> SlotFileResult: ...
+
+    async def erase_slot(self, slot: int) -> None: ...
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str: ...
+
+    async def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,184 @@
+"""Adapter for llama.cpp's llama-server (and anything speaking its dialect, such as the
+embedded engine).
+
+Facts this relies on (see shared/research/llama-server.md): ``return_progress`` makes the
+first event arrive when the slot starts the prompt, before prefill, with the cache hit;
+``id_slot`` pins a slot; ``/slots`` answers even during a decode; save/restore/erase need
+``--slot-save-path``; ``/metrics`` carries ``Process-Start-Time-Unix``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from adapters._http import get_json, map_httpx_errors, post_json
+from adapters._openai_sse import classify
+from adapters.base import (
+    Capabilities,
+    EngineInfo,
+    Frame,
+    SlotFileResult,
+    SlotState,
+    UpstreamCall,
+)
+from proxy.errors import UpstreamError
+from proxy.sse import SSEDecoder
+
+# Architectures whose attention is (partly) a sliding window: a rewind deeper than the
+# window needs a context checkpoint, and a restored slot has none (research note §1, §3).
+SWA_ARCHITECTURES = frozenset({"gemma2", "gemma3", "gemma3n", "cohere2", "gpt-oss", "llama4"})
+
+
+class LlamaServerAdapter:
+    name = "llama-server"
+    capabilities = Capabilities(
+        slots=True, slot_files=True, progress=True, measured_cache=True, render=True,
+    )
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def probe(self) -> EngineInfo:
+        props = await get_json(self.http, "/props", "GET /props")
+        models = await self._models_meta()
+        settings = props.get("default_generation_settings") or {}
+        arch = str(models.get("architecture") or "")
+        return EngineInfo(
+            engine=self.name,
+            model=_model_name(props),
+            n_slots=int(props.get("total_slots") or 1),
+            n_ctx_slot=int(settings.get("n_ctx") or 0),
+            build=str(props.get("build_info") or ""),
+            start_time=await self._start_time(),
+            slot_save_path=await self._has_slot_save_path(),
+            n_swa=1 if arch in SWA_ARCHITECTURES else 0,
+            chat_template=props.get("chat_template"),
+            props=props,
+        )
+
+    def prepare(self, path: str, body: Mapping[str, Any], *, slot: int | None) -> UpstreamCall:
+        upstream = dict(body)
+        upstream["stream"] = True
+        # The first progress event arrives before prefill and carries the cache hit; the
+        # usage chunk carries the final figures. The relay hides both unless asked for.
+        upstream["return_progress"] = True
+        options = dict(upstream.get("stream_options") or {})
+        options["include_usage"] = True
+        upstream["stream_options"] = options
+        if slot is not None:
+            upstream["id_slot"] = slot
+        return UpstreamCall(path=path, body=upstream)
+
+    @asynccontextmanager
+    async def open_stream(self, call: UpstreamCall) -> AsyncIterator[_LlamaStream]:
+        what = f"POST {call.path}"
+        with map_httpx_errors(what):
+            async with self.http.stream("POST", call.path, json=dict(call.body),
+                                        headers=dict(call.headers)) as response:
+                yield _LlamaStream(response, what)
+
+    async def list_slots(self) -> list[SlotState]:
+        slots = await get_json(self.http, "/slots", "GET /slots")
+        return [_slot_state(item) for item in slots if isinstance(item, Mapping)]
+
+    async def save_slot(self, slot: int, filename: str) -> SlotFileResult:
+        result = await post_json(self.http, f"/slots/{slot}", {"filename": filename},
+                                 "slot save", params={"action": "save"})
+        timings = result.get("timings") or {}
+        return SlotFileResult(slot, filename, int(result.get("n_saved", 0)),
+                              int(result.get("n_written", 0)), float(timings.get("save_ms", 0)))
+
+    async def restore_slot(self, slot: int, filename: str) -> SlotFileResult:
+        result = await post_json(self.http, f"/slots/{slot}", {"filename": filename},
+                                 "slot restore", params={"action": "restore"})
+        timings = result.get("timings") or {}
+        return SlotFileResult(slot, filename, int(result.get("n_restored", 0)),
+                              int(result.get("n_read", 0)), float(timings.get("restore_ms", 0)))
+
+    async def erase_slot(self, slot: int) -> None:
+        await post_json(self.http, f"/slots/{slot}", {}, "slot erase", params={"action": "erase"})
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str:
+        result = await post_json(self.http, "/apply-template", body, "POST /apply-template")
+        return str(result.get("prompt", ""))
+
+    async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        # The chat path tokenizes with add_special and parse_special on (research note §7).
+        result = await post_json(self.http, "/tokenize",
+                                 {"content": text, "add_special": add_special,
+                                  "parse_special": True}, "POST /tokenize")
+        return [int(t) for t in result.get("tokens", [])]
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _models_meta(self) -> Mapping[str, Any]:
+        try:
+            models = await get_json(self.http, "/v1/models", "GET /v1/models")
+        except UpstreamError:
+            return {}
+        data = models.get("data") if isinstance(models, Mapping) else None
+        if isinstance(data, list) and data and isinstance(data[0], Mapping):
+            meta = data[0].get("meta") or {}
+            return {**meta, "architecture": data[0].get("architecture") or meta.get("architecture")}
+        return {}
+
+    async def _start_time(self) -> float | None:
+        """llama-server's process start, from /metrics (needs --metrics); None otherwise."""
+        with map_httpx_errors("GET /metrics"):
+            response = await self.http.get("/metrics")
+        value = response.headers.get("process-start-time-unix")
+        try:
+            return float(value) if value is not None and response.status_code == 200 else None
+        except ValueError:
+            return None
+
+    async def _has_slot_save_path(self) -> bool:
+        """Erase needs --slot-save-path too; erasing a nonexistent slot index probes it cheaply."""
+        with map_httpx_errors("slot probe"):
+            response = await self.http.post("/slots/0", params={"action": "unknown-probe"}, json={})
+        text = response.text
+        return "slot-save-path" not in text and "not supported" not in text.lower()
+
+
+class _LlamaStream:
+    def __init__(self, response: httpx.Response, what: str) -> None:
+        self._response = response
+        self._what = what
+        self.status_code = response.status_code
+        self.content_type = response.headers.get("content-type")
+
+    async def aread_error(self) -> bytes:
+        with map_httpx_errors(self._what):
+            return await self._response.aread()
+
+    async def aiter_frames(self) -> AsyncIterator[Frame]:
+        decoder = SSEDecoder()
+        with map_httpx_errors(self._what):
+            async for chunk in self._response.aiter_bytes():
+                for event in decoder.feed(chunk):
+                    yield classify(event)
+            for event in decoder.flush():
+                yield classify(event)
+
+
+def _model_name(props: Mapping[str, Any]) -> str:
+    alias = props.get("model_alias")
+    if isinstance(alias, str) and alias:
+        return alias
+    path = str(props.get("model_path") or "model")
+    return path.rsplit("/", 1)[-1]
+
+
+def _slot_state(item: Mapping[str, Any]) -> SlotState:
+    return SlotState(
+        id=int(item.get("id", -1)),
+        is_processing=bool(item.get("is_processing")),
+        n_ctx=int(item.get("n_ctx") or 0),
+        n_prompt_tokens=int(item.get("n_prompt_tokens") or 0),
+        id_task=int(item.get("id_task", -1) if item.get("id_task") is not None else -1),
+    )

@@ -1,0 +1,155 @@
+"""The ASGI app factory. State is built in the lifespan and passed explicitly; nothing global.
+
+``create_app(settings)`` fronts the engine at ``settings.upstream``; tests and benchmarks
+inject ``transport`` (an httpx transport, e.g. ``StreamingASGITransport`` over a fake
+engine) instead of a network connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from adapters.base import Adapter
+from adapters.llama_server import LlamaServerAdapter
+from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
+from proxy.logs import get_logger, log_event
+from proxy.metrics import Metrics
+from proxy.passthrough import forward
+from proxy.service import Backend, ProxyService
+from proxy.settings import Settings
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: Settings
+    service: ProxyService
+    metrics: Metrics
+    started: float
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+               adapter: Adapter | None = None) -> Starlette:
+    metrics = Metrics()
+    logger = get_logger()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        backend_adapter = adapter or _llama_server_adapter(settings, transport)
+        backend = Backend(label=_label(settings), adapter=backend_adapter)
+        service = ProxyService(settings, backend, metrics, logger=logger)
+        app.state.prefixpin = AppState(settings, service, metrics, time.time())
+        await _probe(backend, metrics, logger)
+        try:
+            yield
+        finally:
+            await service.aclose()
+            await backend_adapter.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/completions", _completions, methods=["POST"]),
+        Route("/completions", _completions, methods=["POST"]),
+        Route("/healthz", _healthz, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/{path:path}", _passthrough, methods=ALL_METHODS),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={ProxyError: _proxy_error, Exception: _unexpected})
+
+
+def state_of(request: Request) -> AppState:
+    state: AppState = request.app.state.prefixpin
+    return state
+
+
+async def _chat(request: Request) -> Response:
+    return await state_of(request).service.handle(request, "chat")
+
+
+async def _completions(request: Request) -> Response:
+    return await state_of(request).service.handle(request, "completions")
+
+
+async def _passthrough(request: Request) -> Response:
+    return await forward(request, state_of(request).service.backend.adapter.http)
+
+
+async def _metrics(request: Request) -> Response:
+    body = state_of(request).metrics.exposition()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _healthz(request: Request) -> Response:
+    state = state_of(request)
+    backend = state.service.backend
+    upstream: dict[str, Any] = {"label": backend.label, "engine": backend.adapter.name}
+    try:
+        info = await backend.adapter.probe()
+        backend.info = info
+        upstream.update(status="ok", model=info.model, slots=info.n_slots,
+                        n_ctx_slot=info.n_ctx_slot, build=info.build)
+        healthy = True
+    except UpstreamError as exc:
+        upstream.update(status="unreachable", error=exc.message)
+        healthy = False
+    state.metrics.upstream_up.labels(backend.label).set(1 if healthy else 0)
+    body = {"status": "ok" if healthy else "degraded",
+            "uptime_s": round(time.time() - state.started),
+            "inflight": len(state.service.generations), "upstream": upstream}
+    return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+async def _proxy_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ProxyError)
+    return error_response(exc)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    # Internals stay in the log; the client gets a plain OpenAI-shaped 500.
+    get_logger().exception("unexpected error", extra={"fields": {"path": request.url.path}})
+    return JSONResponse(openai_error("internal proxy error", "server_error"), status_code=500)
+
+
+async def _probe(backend: Backend, metrics: Metrics, logger: logging.Logger) -> None:
+    try:
+        backend.info = await backend.adapter.probe()
+    except UpstreamError as exc:
+        metrics.upstream_up.labels(backend.label).set(0)
+        log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
+                  error=exc.message)
+        return
+    metrics.upstream_up.labels(backend.label).set(1)
+    info = backend.info
+    log_event(logger, logging.INFO, "upstream ready", upstream=backend.label,
+              engine=info.engine, model=info.model, slots=info.n_slots,
+              n_ctx_slot=info.n_ctx_slot, build=info.build)
+
+
+def _llama_server_adapter(settings: Settings,
+                          transport: httpx.AsyncBaseTransport | None) -> LlamaServerAdapter:
+    base_url = settings.upstream or "http://engine.invalid"
+    http = httpx.AsyncClient(base_url=base_url, transport=transport,
+                             timeout=settings.upstream_timeout(),
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=64))
+    return LlamaServerAdapter(http)
+
+
+def _label(settings: Settings) -> str:
+    if settings.upstream is None:
+        return "embedded"
+    return httpx.URL(settings.upstream).netloc.decode() or settings.upstream

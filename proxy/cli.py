@@ -1,0 +1,74 @@
+"""``prefixpin``: a thin shell over ``Settings`` (flags override ``PREFIXPIN_*`` variables)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from proxy.settings import Settings
+
+# flag -> (settings field, type, help). Every flag defaults to "not given", so the
+# environment and the Settings defaults apply unless the flag is on the command line.
+SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--upstream": ("upstream", str, "engine base URL (llama-server or Ollama); "
+                   "omit to run the embedded engine"),
+    "--engine": ("engine", str, "auto | llama-server | ollama | embedded"),
+    "--host": ("host", str, "listen address (default 127.0.0.1)"),
+    "--port": ("port", int, "listen port (default 8088)"),
+    "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
+    "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
+    "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
+    "--retry-grace": ("retry_grace_s", float, "seconds a generation outlives its clients "
+                      "so a resend can join it (default 30)"),
+    "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),
+    "--read-timeout": ("read_timeout_s", float, "longest engine silence (default 900)"),
+    "--model": ("model", str, "GGUF for the embedded engine (default SmolLM2-135M)"),
+    "--slots": ("slots", int, "embedded engine slots (default 2)"),
+    "--ctx-size": ("ctx_size", int, "embedded engine context per slot (default 8192)"),
+    "--threads": ("threads", int, "embedded engine threads"),
+    "--park-dir": ("park_dir", str, "directory for parked sessions"),
+    "--park-max-bytes": ("park_max_bytes", int, "disk budget for parked sessions"),
+    "--tokenizer": ("tokenizer", str, "tokenizer.json or GGUF for fingerprints"),
+    "--log-level": ("log_level", str, "debug | info | warning | error"),
+}
+SWITCHES = {"affinity": "session affinity", "repair": "history repair", "parking": "parking"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixpin", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the proxy",
+                                argument_default=argparse.SUPPRESS)
+    for flag, (field, kind, text) in SERVE_FLAGS.items():
+        serve.add_argument(flag, dest=field, type=kind, help=text)
+    for name, text in SWITCHES.items():
+        serve.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
+                           help=f"{text} on/off (env PREFIXPIN_{name.upper()}=0 turns it off)")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given = {k: v for k, v in vars(args).items() if k != "command"}
+    return Settings(**given)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"prefixpin: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from proxy.server import serve
+
+        return serve(settings)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Cache figures of one generation, read from the engine's own fields (sans-IO).
+
+Sources, best first: the usage chunk (``usage.prompt_tokens``,
+``prompt_tokens_details.cached_tokens``), ``timings`` (``cache_n``, ``prompt_n``,
+``prompt_ms``) on the last chunk, and the last progress report. Figures never underflow:
+cached tokens are clamped to [0, prompt tokens].
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.base import Frame, FrameKind, Progress
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_ms: float | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def cached_fraction(self) -> float | None:
+        if not self.prompt_tokens or self.cached_tokens is None:
+            return None
+        return self.cached_tokens / self.prompt_tokens
+
+
+def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
+    usage: Mapping[str, Any] = {}
+    timings: Mapping[str, Any] = {}
+    for frame in frames:
+        data = frame.data or {}
+        if isinstance(data.get("timings"), Mapping):
+            timings = data["timings"]
+        if isinstance(data.get("usage"), Mapping):
+            usage = data["usage"]
+    return _combine(usage, timings, progress)
+
+
+def _combine(usage: Mapping[str, Any], timings: Mapping[str, Any],
+             progress: Progress | None) -> Figures:
+    prompt = _int(usage.get("prompt_tokens"))
+    if prompt is None and _int(timings.get("prompt_n")) is not None:
+        prompt = (_int(timings.get("prompt_n")) or 0) + (_int(timings.get("cache_n")) or 0)
+    if prompt is None and progress is not None:
+        prompt = progress.total
+    cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    if cached is None:
+        cached = _int(timings.get("cache_n"))
+    if cached is None and progress is not None:
+        cached = progress.cache
+    if cached is not None:
+        cached = max(0, min(cached, prompt if prompt is not None else cached))
+    prompt_ms = timings.get("prompt_ms")
+    return Figures(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        prompt_ms=float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
+        completion_tokens=_int(usage.get("completion_tokens")) or _int(timings.get("predicted_n")),
+    )
+
+
+def with_cached_tokens(frame: Frame, frames: Sequence[Frame],
+                       progress: Progress | None) -> Frame:
+    """The usage frame with ``prompt_tokens_details.cached_tokens`` present.
+
+    llama-server fills it itself; older builds and some engines do not. The frame's bytes
+    are left untouched when nothing is missing.
+    """
+    data = dict(frame.data or {})
+    usage = dict(data.get("usage") or {})
+    details = dict(usage.get("prompt_tokens_details") or {})
+    if "cached_tokens" in details:
+        return frame
+    figures = figures_from([*frames, frame], progress)
+    details["cached_tokens"] = figures.cached_tokens or 0
+    usage["prompt_tokens_details"] = details
+    data["usage"] = usage
+    raw = b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return Frame(frame.kind, raw, data, frame.progress, frame.has_output)
+
+
+def is_usage(frame: Frame) -> bool:
+    return frame.kind is FrameKind.USAGE
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None

@@ -1,0 +1,50 @@
+"""Structured log lines: one JSON object per line, fields passed explicitly.
+
+Configured by the CLI (never at import). Callers pass ``extra={"fields": {...}}``; nothing
+secret is ever put in fields (credentials are reduced to a namespace hash upstream of here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+LOGGER_NAME = "prefixpin"
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line.update(fields)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+def configure(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JSONFormatter())
+    logger = get_logger()
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
+    logger.log(level, event, extra={"fields": fields})
+
+
+def monotonic_ms(start: float) -> float:
+    return round((time.monotonic() - start) * 1000, 1)

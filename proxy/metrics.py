@@ -1,0 +1,54 @@
+"""Prometheus figures, on a registry the app owns (never the global one).
+
+Label values are bounded: endpoint and outcome come from fixed sets, upstream is the
+configured backend label, slot is an engine slot index.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072,
+                 262144)
+FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+OUTCOMES = ("ok", "client_error", "upstream_error", "cancelled", "queue_timeout")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("prefixpin_requests", "Requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Histogram("prefixpin_prompt_tokens", "Prompt tokens per request",
+                                       ["upstream"], buckets=TOKEN_BUCKETS, registry=r)
+        self.cached_tokens = Histogram("prefixpin_cached_tokens",
+                                       "Prompt tokens served from the engine's cache",
+                                       ["upstream"], buckets=TOKEN_BUCKETS, registry=r)
+        self.cached_fraction = Histogram("prefixpin_cached_fraction",
+                                         "Cached tokens / prompt tokens per request",
+                                         ["upstream"], buckets=FRACTION_BUCKETS, registry=r)
+        self.ttft = Histogram("prefixpin_ttft_seconds",
+                              "Request arrival to first generated output",
+                              ["endpoint"], buckets=SECONDS_BUCKETS, registry=r)
+        self.prefill = Histogram("prefixpin_prefill_seconds",
+                                 "Engine prompt processing time (timings.prompt_ms)",
+                                 ["upstream"], buckets=SECONDS_BUCKETS, registry=r)
+        self.heartbeats = Counter("prefixpin_heartbeats", "SSE heartbeat comments sent",
+                                  registry=r)
+        self.slot_cached_tokens = Gauge("prefixpin_slot_cached_tokens",
+                                        "Cached tokens of the last request on each slot",
+                                        ["upstream", "slot"], registry=r)
+        self.prefix_breaks = Counter("prefixpin_prefix_breaks",
+                                     "Requests that reused far less than their slot held",
+                                     ["upstream", "cause"], registry=r)
+        self.upstream_up = Gauge("prefixpin_upstream_up", "1 when the engine answered its probe",
+                                 ["upstream"], registry=r)
+        self.inflight = Gauge("prefixpin_inflight_generations",
+                              "Upstream generations running now", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

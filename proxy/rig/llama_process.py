@@ -1,0 +1,138 @@
+"""Start a real llama-server on a free loopback port, wait until it serves, stop it cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from proxy.rig.llama_build import ensure_llama_server
+from proxy.rig.models import ensure_model
+
+
+@dataclass(slots=True)
+class LlamaServerProcess:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    slot_save_path: Path | None
+    args: tuple[str, ...]
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """Kill -9, as a crash would: no cleanup on the engine's side."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def llama_args(model: Path, port: int, *, slots: int, ctx_per_slot: int,
+               slot_save_path: Path | None, threads: int, extra: Sequence[str]) -> list[str]:
+    args = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads),
+            "--metrics", "--no-webui"]
+    if slot_save_path is not None:
+        args += ["--slot-save-path", str(slot_save_path)]
+    return [*args, *extra]
+
+
+@contextlib.contextmanager
+def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_slot: int = 8192,
+                     slot_save_path: Path | bool | None = True, threads: int | None = None,
+                     extra: Sequence[str] = (), port: int | None = None,
+                     startup_timeout: float = 120.0) -> Iterator[LlamaServerProcess]:
+    binary = ensure_llama_server()
+    model_file = Path(model) if isinstance(model, Path) or "/" in str(model) else ensure_model(
+        str(model))
+    with tempfile.TemporaryDirectory(prefix="prefixpin-llama-") as tmp:
+        save_dir: Path | None = None
+        if slot_save_path is True:
+            save_dir = Path(tmp) / "slots"
+            save_dir.mkdir()
+        elif isinstance(slot_save_path, Path):
+            save_dir = slot_save_path
+        handle = start_llama_server(binary, model_file, Path(tmp) / "llama-server.log",
+                                    slots=slots, ctx_per_slot=ctx_per_slot,
+                                    slot_save_path=save_dir, threads=threads or os.cpu_count() or 2,
+                                    extra=extra, port=port or free_port(),
+                                    startup_timeout=startup_timeout)
+        try:
+            yield handle
+        finally:
+            stop(handle)
+
+
+def start_llama_server(binary: Path, model: Path, log_path: Path, *, slots: int,
+                       ctx_per_slot: int, slot_save_path: Path | None, threads: int,
+                       extra: Sequence[str], port: int,
+                       startup_timeout: float) -> LlamaServerProcess:
+    args = llama_args(model, port, slots=slots, ctx_per_slot=ctx_per_slot,
+                      slot_save_path=slot_save_path, threads=threads, extra=extra)
+    log = log_path.open("ab")
+    process = subprocess.Popen([str(binary), *args], stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+    log.close()
+    handle = LlamaServerProcess(f"http://127.0.0.1:{port}", port, process, log_path,
+                                slot_save_path, tuple(args))
+    try:
+        wait_healthy(handle, startup_timeout)
+    except BaseException:
+        stop(handle)
+        raise
+    return handle
+
+
+def wait_healthy(handle: LlamaServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {handle.process.returncode}:\n"
+                               f"{handle.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{handle.url}/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"llama-server not healthy after {timeout} s:\n{handle.log_tail()}")
+
+
+def restart(handle: LlamaServerProcess, binary: Path | None = None,
+            startup_timeout: float = 120.0) -> LlamaServerProcess:
+    """Stop and start the same server (same port, flags and slot-save path)."""
+    stop(handle)
+    log = handle.log_path.open("ab")
+    process = subprocess.Popen([str(binary or ensure_llama_server()), *handle.args], stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    handle.process = process
+    wait_healthy(handle, startup_timeout)
+    return handle
+
+
+def stop(handle: LlamaServerProcess) -> None:
+    if handle.process.poll() is None:
+        handle.process.terminate()
+        try:
+            handle.process.wait(10)
+        except subprocess.TimeoutExpired:
+            handle.process.kill()
+            handle.process.wait(10)

@@ -1,0 +1,204 @@
+"""The request path for completions, from parsed body to relayed answer and recorded figures.
+
+    parse + validate ─► plan (identity, repair, placement) ─► generation ─► relay
+                                                              └─► on finish: figures,
+                                                                  metrics, log, commit
+
+Planning is delegated to a ``Planner``: the pass-through planner here forwards the body as
+is; session affinity, history repair and parking plug in as richer planners.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from adapters.base import Adapter, EngineInfo, UpstreamCall
+from proxy.errors import ClientError, GenerationCancelledError, ProxyError, QueueTimeoutError
+from proxy.figures import Figures, figures_from
+from proxy.generation import Generation
+from proxy.logs import get_logger, log_event
+from proxy.metrics import Metrics
+from proxy.relay import respond
+from proxy.settings import Settings
+from proxy.validation import ClientRequest, Endpoint, parse_request, read_body
+
+# A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
+# a prefix break: the engine re-read a conversation it already held.
+PREFIX_BREAK_SLACK = 256
+
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent")
+
+
+@dataclass(slots=True)
+class Backend:
+    label: str
+    adapter: Adapter
+    info: EngineInfo | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    call: UpstreamCall
+    slot: int | None = None
+    session: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Planner(Protocol):
+    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan: ...
+
+    def commit(self, plan: Plan, generation: Generation, figures: Figures) -> None: ...
+
+
+class PassThroughPlanner:
+    """Forward the client's body as it came; no identity, no repair, no placement."""
+
+    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
+        call = backend.adapter.prepare(client.path, client.body, slot=None)
+        return Plan(call=_with_forwarded_headers(call, request.headers))
+
+    def commit(self, plan: Plan, generation: Generation, figures: Figures) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class SlotLedger:
+    """Per engine slot, the prompt size of its last request: the yardstick for prefix breaks."""
+
+    prompts: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def record(self, upstream: str, slot: int, figures: Figures) -> int | None:
+        """Record the slot's new prompt; return how many tokens short of the last one it fell
+        (None when this is not a prefix break)."""
+        previous = self.prompts.get((upstream, slot))
+        if figures.prompt_tokens is not None:
+            self.prompts[(upstream, slot)] = figures.prompt_tokens
+        if previous is None or figures.cached_tokens is None:
+            return None
+        shortfall = previous - figures.cached_tokens
+        return shortfall if shortfall > PREFIX_BREAK_SLACK else None
+
+    def forget(self, upstream: str) -> None:
+        for key in [key for key in self.prompts if key[0] == upstream]:
+            del self.prompts[key]
+
+
+class ProxyService:
+    def __init__(self, settings: Settings, backend: Backend, metrics: Metrics,
+                 planner: Planner | None = None, logger: logging.Logger | None = None) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.metrics = metrics
+        self.planner: Planner = planner or PassThroughPlanner()
+        self.ledger = SlotLedger()
+        self.log = logger or get_logger()
+        self.generations: set[Generation] = set()
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        arrival = time.monotonic()
+        try:
+            raw = await read_body(request.stream(), request.headers.get("content-length"),
+                                  self.settings.max_body_bytes)
+            client = parse_request(raw, endpoint, request.url.path,
+                                   max_messages=self.settings.max_messages)
+            plan = await self.planner.plan(client, request, self.backend)
+        except ProxyError as exc:
+            self.metrics.requests.labels(endpoint, _outcome(exc)).inc()
+            raise
+        generation = self._start(plan, client, arrival)
+        return await respond(
+            request, client, generation, arrival=arrival,
+            first_byte_s=self.settings.first_byte_ms / 1000,
+            heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
+        )
+
+    async def aclose(self) -> None:
+        for generation in list(self.generations):
+            await generation.aclose()
+
+    def _start(self, plan: Plan, client: ClientRequest, arrival: float) -> Generation:
+        adapter = self.backend.adapter
+
+        def finished(generation: Generation) -> None:
+            self.generations.discard(generation)
+            self.metrics.inflight.set(len(self.generations))
+            self._record(plan, client, generation, arrival)
+
+        generation = Generation(lambda: adapter.open_stream(plan.call),
+                                grace_s=self.settings.retry_grace_s, on_finish=finished)
+        self.generations.add(generation)
+        self.metrics.inflight.set(len(self.generations))
+        generation.start()
+        return generation
+
+    def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
+                arrival: float) -> None:
+        figures = figures_from(generation.frames, generation.progress)
+        outcome = _generation_outcome(generation)
+        self.metrics.requests.labels(client.endpoint, outcome).inc()
+        upstream = self.backend.label
+        if figures.prompt_tokens is not None and outcome == "ok":
+            self._observe_cache(upstream, figures)
+        timeline = generation.timeline
+        ttft = timeline.first_output - arrival if timeline.first_output is not None else None
+        if ttft is not None:
+            self.metrics.ttft.labels(client.endpoint).observe(ttft)
+        shortfall = None
+        if plan.slot is not None and outcome == "ok":
+            self.metrics.slot_cached_tokens.labels(upstream, str(plan.slot)).set(
+                figures.cached_tokens or 0)
+            shortfall = self.ledger.record(upstream, plan.slot, figures)
+        self.planner.commit(plan, generation, figures)
+        fields: dict[str, Any] = {
+            "endpoint": client.endpoint, "outcome": outcome, "upstream": upstream,
+            "slot": plan.slot, "session": plan.session, "stream": client.stream,
+            "prompt_tokens": figures.prompt_tokens, "cached_tokens": figures.cached_tokens,
+            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+            "prefill_ms": figures.prompt_ms, **plan.notes,
+        }
+        if generation.error is not None and outcome != "ok":
+            fields["error"] = generation.error.message
+        log_event(self.log, logging.INFO, "request", **fields)
+        if shortfall is not None:
+            self.metrics.prefix_breaks.labels(upstream, "unknown").inc()
+            log_event(self.log, logging.WARNING, "prefix break", upstream=upstream,
+                      slot=plan.slot, session=plan.session, shortfall=shortfall,
+                      cached_tokens=figures.cached_tokens, prompt_tokens=figures.prompt_tokens)
+
+    def _observe_cache(self, upstream: str, figures: Figures) -> None:
+        self.metrics.prompt_tokens.labels(upstream).observe(figures.prompt_tokens or 0)
+        self.metrics.cached_tokens.labels(upstream).observe(figures.cached_tokens or 0)
+        if figures.cached_fraction is not None:
+            self.metrics.cached_fraction.labels(upstream).observe(figures.cached_fraction)
+        if figures.prompt_ms is not None:
+            self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
+
+
+def _with_forwarded_headers(call: UpstreamCall, headers: Mapping[str, str]) -> UpstreamCall:
+    forwarded = {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+    return UpstreamCall(call.path, call.body, {**forwarded, **call.headers})
+
+
+def _outcome(exc: ProxyError) -> str:
+    if isinstance(exc, GenerationCancelledError):
+        return "cancelled"
+    if isinstance(exc, ClientError):
+        return "client_error"
+    if isinstance(exc, QueueTimeoutError):
+        return "queue_timeout"
+    return "upstream_error"
+
+
+def _generation_outcome(generation: Generation) -> str:
+    if generation.completed:
+        return "ok"
+    if generation.error is None:
+        return "cancelled"
+    return _outcome(generation.error)

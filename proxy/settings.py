@@ -1,0 +1,66 @@
+"""One typed settings object, read from flags and ``PREFIXPIN_*`` environment variables.
+
+Nothing outside this module reads the environment. The CLI builds a ``Settings`` and hands
+it to ``create_app``; tests build one directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PREFIXPIN_", extra="forbid", frozen=True)
+
+    # Where requests go. No upstream: the embedded llama.cpp engine runs in process.
+    upstream: str | None = Field(None, description="Base URL of llama-server or Ollama")
+    engine: EngineName = Field("auto", description="Force the engine type instead of probing")
+    host: str = "127.0.0.1"
+    port: int = Field(8088, ge=1, le=65535)
+
+    # Relay behaviour.
+    first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
+    heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_messages: int = Field(100_000, ge=1)
+    retry_grace_s: float = Field(30.0, ge=0, description="Keep a generation whose clients left")
+    queue_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a free slot")
+
+    # Upstream timeouts: connect is short; read bounds every silence of the engine (a
+    # queued request gets no bytes until a slot frees, so it must allow a long wait).
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(900.0, gt=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+
+    # Rollback switches: each feature is an A/B arm of the same binary.
+    affinity: bool = True
+    repair: bool = True
+    parking: bool = True
+
+    # Embedded engine.
+    model: Path | None = Field(None, description="GGUF file for the embedded engine")
+    slots: int = Field(2, ge=1, le=64)
+    ctx_size: int = Field(8192, ge=256, description="Context per slot (embedded engine)")
+    threads: int | None = Field(None, ge=1)
+
+    # Parking.
+    park_dir: Path | None = None
+    park_max_bytes: int = Field(8 * 1024**3, ge=0)
+
+    # Identity.
+    tokenizer: Path | None = Field(None, description="tokenizer.json or GGUF overriding /props")
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def upstream_timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(
+            connect=self.connect_timeout_s, read=self.read_timeout_s,
+            write=self.read_timeout_s, pool=self.connect_timeout_s,
+        )

@@ -1,0 +1,281 @@
+"""A fake llama-server that speaks its streaming dialect, for unit tests and the overhead
+benchmark. Its chunk shapes follow the real server's (``tools/server/server-task.cpp``:
+progress chunks with ``prompt_progress``, ``timings`` on the last chunk, the usage chunk
+with ``choices: []``, ``data: [DONE]``) and are checked against a real llama-server in
+``tests/e2e``. It has a toy prefix cache per slot so figures move like the real ones.
+
+Faults are injected by queueing them: ``engine.faults.append("bad_json")`` makes the next
+generation request fail that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+WORD = re.compile(r"\s*\S+|\s+")
+
+
+@dataclass(slots=True)
+class FakeLlamaConfig:
+    reply: str = "Hello from the fake engine, one word at a time."
+    n_slots: int = 2
+    n_ctx: int = 8192
+    batch: int = 512
+    prefill_s_per_token: float = 0.0
+    token_delay_s: float = 0.0
+    model: str = "fake-model.gguf"
+
+
+@dataclass(slots=True)
+class _Slot:
+    id: int
+    tokens: list[str] = field(default_factory=list)
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    id_task: int = -1
+    last_used: float = 0.0
+
+
+class FakeLlamaServer:
+    def __init__(self, config: FakeLlamaConfig | None = None) -> None:
+        self.config = config or FakeLlamaConfig()
+        self.slots = [_Slot(i) for i in range(self.config.n_slots)]
+        self.requests: list[dict[str, Any]] = []
+        self.started = time.time()
+        self._task_ids = 0
+        self.prompt_tokens_processed = 0
+        self.faults: list[str] = []
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self._health),
+            Route("/props", self._props),
+            Route("/v1/models", self._models),
+            Route("/slots", self._slots),
+            Route("/slots/{id:int}", self._slot_action, methods=["POST"]),
+            Route("/metrics", self._metrics),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+        ])
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _props(self, request: Request) -> Response:
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": self.config.n_ctx, "params": {}},
+            "total_slots": self.config.n_slots, "model_alias": "", "model_path": self.config.model,
+            "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                             "{{ m.content }}<|im_end|>\n{% endfor %}",
+            "build_info": "fake", "bos_token": "", "eos_token": "<|im_end|>",
+        })
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "owned_by": "llamacpp",
+             "meta": {"n_ctx_train": self.config.n_ctx}}]})
+
+    async def _slots(self, request: Request) -> Response:
+        return JSONResponse([
+            {"id": s.id, "n_ctx": self.config.n_ctx, "is_processing": s.busy.locked(),
+             "id_task": s.id_task, "n_prompt_tokens": len(s.tokens)} for s in self.slots])
+
+    async def _slot_action(self, request: Request) -> Response:
+        slot = self.slots[request.path_params["id"] % len(self.slots)]
+        if request.query_params.get("action") == "erase":
+            n = len(slot.tokens)
+            slot.tokens.clear()
+            return JSONResponse({"id_slot": slot.id, "n_erased": n})
+        return JSONResponse({"error": {"code": 400, "message": "Invalid action",
+                                       "type": "invalid_request_error"}}, status_code=400)
+
+    async def _metrics(self, request: Request) -> Response:
+        text = f"llamacpp:prompt_tokens_total {self.prompt_tokens_processed}\n"
+        return Response(text, headers={"Process-Start-Time-Unix": str(int(self.started))})
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        return JSONResponse({"tokens": list(range(len(WORD.findall(body.get("content", "")))))})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        fault = self.faults.pop(0) if self.faults else ""
+        if fault == "reset":
+            raise ConnectionResetError("fault injected: reset")
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "Failed to parse JSON", "invalid_request_error")
+        self.requests.append(body)
+        prompt = _render(body, chat)
+        tokens = WORD.findall(prompt)
+        if len(tokens) >= self.config.n_ctx or fault == "context":
+            return _error(400, f"the request exceeds the available context size "
+                          f"({len(tokens)} tokens, context size {self.config.n_ctx})",
+                          "exceed_context_size_error")
+        slot = self._choose(body, tokens)
+        stream = self._stream(body, slot, tokens, chat, fault)
+        if body.get("stream"):
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await _collect(stream, chat)
+
+    def _choose(self, body: Mapping[str, Any], tokens: list[str]) -> _Slot:
+        pinned = body.get("id_slot")
+        if isinstance(pinned, int) and pinned >= 0:
+            return self.slots[pinned % len(self.slots)]
+        idle = [s for s in self.slots if not s.busy.locked()] or self.slots
+        best: _Slot = max(idle, key=lambda s: _lcp(s.tokens, tokens) / max(1, len(tokens)))
+        if _lcp(best.tokens, tokens) / max(1, len(tokens)) > 0.1:
+            return best
+        return min(idle, key=lambda s: (bool(s.tokens), s.last_used))
+
+    async def _stream(self, body: Mapping[str, Any], slot: _Slot, tokens: list[str], chat: bool,
+                      fault: str) -> AsyncIterator[bytes]:
+        async with slot.busy:
+            self._task_ids += 1
+            slot.id_task = self._task_ids
+            cache = min(_lcp(slot.tokens, tokens), max(0, len(tokens) - 1))
+            if body.get("cache_prompt") is False:
+                cache = 0
+            del slot.tokens[cache:]
+            envelope = {"id": f"chatcmpl-{self._task_ids}", "created": int(time.time()),
+                        "model": self.config.model, "system_fingerprint": "b0-fake",
+                        "object": "chat.completion.chunk" if chat else "text_completion"}
+            started = time.monotonic()
+            if body.get("return_progress"):
+                yield _sse({**_role_chunk(envelope, chat), "prompt_progress": _progress(
+                    len(tokens), cache, cache, started)})
+            done = cache
+            while done < len(tokens):
+                step = min(self.config.batch, len(tokens) - done)
+                await asyncio.sleep(step * self.config.prefill_s_per_token)
+                done += step
+                slot.tokens.extend(tokens[done - step:done])
+                if body.get("return_progress"):
+                    yield _sse({**_role_chunk(envelope, chat), "prompt_progress": _progress(
+                        len(tokens), cache, done, started)})
+            self.prompt_tokens_processed += len(tokens) - cache
+            prompt_ms = (time.monotonic() - started) * 1000
+            if fault == "hang":
+                await asyncio.sleep(3600)
+            words = WORD.findall(self.config.reply)[: int(body.get("max_tokens") or 10**6)]
+            if chat:
+                yield _sse(_role_chunk(envelope, chat, role_only=True))
+            for index, word in enumerate(words):
+                if fault == "bad_json" and index == 1:
+                    yield b"data: {not json\n\n"
+                    return
+                if fault == "close" and index == 1:
+                    return
+                if fault == "error_event" and index == 1:
+                    yield _sse({"error": {"code": 500, "message": "fault injected",
+                                          "type": "server_error"}})
+                    return
+                if self.config.token_delay_s:
+                    await asyncio.sleep(self.config.token_delay_s)
+                yield _sse(_delta_chunk(envelope, chat, word))
+                slot.tokens.append(word)
+            timings = {"cache_n": cache, "prompt_n": len(tokens) - cache, "prompt_ms": prompt_ms,
+                       "predicted_n": len(words)}
+            yield _sse({**_finish_chunk(envelope, chat), "timings": timings})
+            options = body.get("stream_options") or {}
+            if options.get("include_usage"):
+                yield _sse({**envelope, "choices": [], "usage": {
+                    "completion_tokens": len(words), "prompt_tokens": len(tokens),
+                    "total_tokens": len(words) + len(tokens),
+                    "prompt_tokens_details": {"cached_tokens": cache}}, "timings": timings})
+            yield b"data: [DONE]\n\n"
+            slot.last_used = time.monotonic()
+
+
+def _render(body: Mapping[str, Any], chat: bool) -> str:
+    if not chat:
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else " ".join(map(str, prompt or []))
+    parts = []
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        parts.append(f"<|im_start|>{message.get('role')} {text} <|im_end|>")
+    return " ".join(parts) + " <|im_start|>assistant"
+
+
+def _lcp(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _progress(total: int, cache: int, processed: int, started: float) -> dict[str, Any]:
+    return {"total": total, "cache": cache, "processed": processed,
+            "time_ms": round((time.monotonic() - started) * 1000, 3)}
+
+
+def _role_chunk(envelope: dict[str, Any], chat: bool, role_only: bool = False) -> dict[str, Any]:
+    if not chat:
+        return {**envelope, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                         "finish_reason": None}]}
+    delta: dict[str, Any] = {"role": "assistant", "content": None}
+    if role_only:
+        delta = {"role": "assistant", "content": None}
+    return {**envelope, "choices": [{"finish_reason": None, "index": 0, "delta": delta}]}
+
+
+def _delta_chunk(envelope: dict[str, Any], chat: bool, text: str) -> dict[str, Any]:
+    if not chat:
+        return {**envelope, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                         "finish_reason": None}]}
+    return {**envelope, "choices": [{"finish_reason": None, "index": 0,
+                                     "delta": {"content": text}}]}
+
+
+def _finish_chunk(envelope: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if not chat:
+        return {**envelope, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                         "finish_reason": "stop"}]}
+    return {**envelope, "choices": [{"finish_reason": "stop", "index": 0, "delta": {}}]}
+
+
+def _sse(payload: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error(status: int, message: str, kind: str) -> Response:
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}},
+                        status_code=status)
+
+
+async def _collect(stream: AsyncIterator[bytes], chat: bool) -> Response:
+    text = []
+    final: dict[str, Any] = {}
+    async for raw in stream:
+        if raw.startswith(b"data: {"):
+            data = json.loads(raw[6:])
+            for choice in data.get("choices") or []:
+                text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+            final.update({k: data[k] for k in ("id", "created", "model", "usage", "timings")
+                          if k in data})
+    message = {"role": "assistant", "content": "".join(text)}
+    choice = {"finish_reason": "stop", "index": 0, "message": message} if chat else {
+        "text": "".join(text), "index": 0, "logprobs": None, "finish_reason": "stop"}
+    return JSONResponse({**final, "object": "chat.completion" if chat else "text_completion",
+                         "choices": [choice]})

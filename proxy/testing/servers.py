@@ -1,0 +1,46 @@
+"""Run an ASGI app under a real uvicorn on a free loopback port, in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # the test runner owns signals
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: ASGIApp, *, port: int | None = None,
+                    startup_timeout: float = 30.0) -> Iterator[str]:
+    """Yield the base URL of ``app`` served by uvicorn; shut it down on exit."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=3, lifespan="on")
+    server = _Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn on port {port} did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)

@@ -1,0 +1,187 @@
+"""The streaming relay and the non-streaming fold, in process, against the fake engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import create_app
+from proxy.asgi_transport import StreamingASGITransport
+from proxy.settings import Settings
+from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import running_proxy
+
+pytestmark = pytest.mark.anyio
+
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+
+
+def sse_events(text: str) -> list[str]:
+    return [block for block in text.split("\n\n") if block]
+
+
+def data_of(events: list[str]) -> list[Any]:
+    return [json.loads(e[6:]) if e != "data: [DONE]" else "[DONE]"
+            for e in events if e.startswith("data: ")]
+
+
+async def test_stream_starts_with_a_comment_and_relays_frames_in_order() -> None:
+    """First bytes are a comment; engine chunks follow unchanged; progress and usage hidden."""
+    async with running_proxy() as (client, engine):
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response.text)
+    assert events[0].startswith(": ")
+    payloads = data_of(events)
+    assert payloads[-1] == "[DONE]"
+    assert all("prompt_progress" not in p for p in payloads[:-1])
+    assert all(p.get("choices") != [] for p in payloads[:-1]), "usage chunk leaked"
+    text = "".join((p["choices"][0]["delta"].get("content") or "") for p in payloads[:-1])
+    assert text == "Hello from the fake"
+    # The proxy asked the engine for progress and usage on the client's behalf.
+    assert engine.requests[0]["return_progress"] is True
+    assert engine.requests[0]["stream_options"] == {"include_usage": True}
+
+
+async def test_usage_and_progress_reach_clients_that_ask_for_them() -> None:
+    """include_usage gets the usage chunk with cached_tokens; return_progress gets progress."""
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True},
+            "return_progress": True}
+    async with running_proxy() as (client, _):
+        first = data_of(sse_events((await client.post("/v1/chat/completions", json=body)).text))
+        second = data_of(sse_events((await client.post("/v1/chat/completions", json=body)).text))
+    assert any("prompt_progress" in p for p in first[:-1])
+    usage = next(p for p in second[:-1] if p.get("choices") == [])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+
+async def test_non_streaming_clients_get_one_folded_body_with_cached_tokens() -> None:
+    """A non-streaming client gets a chat.completion whose usage has cached_tokens."""
+    async with running_proxy() as (client, _):
+        response = await client.post("/v1/chat/completions", json=CHAT)
+    body = response.json()
+    assert response.status_code == 200
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant",
+                                             "content": "Hello from the fake"}
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert body["usage"]["completion_tokens"] == 4
+
+
+async def test_completions_endpoint_streams_and_folds() -> None:
+    """/v1/completions works streaming and not."""
+    async with running_proxy() as (client, _):
+        folded = (await client.post("/v1/completions",
+                                    json={"prompt": "a b c", "max_tokens": 2})).json()
+        streamed = await client.post("/v1/completions",
+                                     json={"prompt": "a b c", "max_tokens": 2, "stream": True})
+    assert folded["object"] == "text_completion"
+    assert folded["choices"][0]["text"] == "Hello from"
+    assert data_of(sse_events(streamed.text))[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_status_before_the_deadline_keeps_its_status_and_body(stream: bool) -> None:
+    """A context-too-long 400 from the engine reaches the client as that 400, stream or not."""
+    async with running_proxy(first_byte_ms=2000) as (client, engine):
+        engine.faults.append("context")
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "exceed_context_size_error"
+
+
+@pytest.mark.parametrize(("fault", "fragment"), [
+    ("error_event", "fault injected"),
+    ("bad_json", "not JSON"),
+    ("close", "before it finished"),
+])
+async def test_faults_after_headers_become_an_error_event_and_a_clean_end(
+        fault: str, fragment: str) -> None:
+    """A failure mid-stream ends the stream with an OpenAI-shaped error event."""
+    async with running_proxy() as (client, engine):
+        engine.faults.append(fault)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    payloads = data_of(sse_events(response.text))
+    assert payloads[-1] != "[DONE]"
+    assert fragment in payloads[-1]["error"]["message"]
+
+
+async def test_faults_of_a_non_streaming_request_are_an_error_status() -> None:
+    """A non-streaming client has no headers out yet: the error keeps a real status."""
+    async with running_proxy() as (client, engine):
+        engine.faults.append("bad_json")
+        response = await client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert "not JSON" in response.json()["error"]["message"]
+
+
+async def test_unreachable_engine_is_a_502_with_an_openai_error() -> None:
+    """Nothing listening: 502 whose body is an OpenAI error object."""
+    app = create_app(Settings(upstream="http://127.0.0.1:9", connect_timeout_s=1))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=StreamingASGITransport(app), base_url="http://proxy") as client:
+        for stream in (False, True):
+            response = await client.post("/v1/chat/completions",
+                                         json={**CHAT, "stream": stream})
+            assert response.status_code == 502
+            assert response.json()["error"]["code"] == "upstream_unavailable"
+        health = await client.get("/healthz")
+    assert health.status_code == 503
+    assert health.json()["upstream"]["status"] == "unreachable"
+
+
+@pytest.mark.parametrize(("content", "status", "fragment"), [
+    (b"{nope", 400, "not valid JSON"),
+    (b'{"model": "x"}', 400, "'messages' is required"),
+    (b"x" * 5000, 413, "exceeds the limit"),
+])
+async def test_bad_input_is_rejected_before_the_engine_sees_it(
+        content: bytes, status: int, fragment: str) -> None:
+    """Invalid JSON, missing messages and oversized bodies are clear 4xx; nothing forwarded."""
+    async with running_proxy(max_body_bytes=4096) as (client, engine):
+        response = await client.post("/v1/chat/completions", content=content,
+                                     headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert fragment in response.json()["error"]["message"]
+    assert engine.requests == []
+
+
+async def test_other_paths_pass_through_unchanged() -> None:
+    """llama-server's own endpoints answer through the proxy."""
+    async with running_proxy() as (client, engine):
+        props = await client.get("/props")
+        slots = await client.get("/slots")
+        missing = await client.get("/no-such-endpoint")
+    assert props.json()["total_slots"] == engine.config.n_slots
+    assert [s["id"] for s in slots.json()] == [0, 1]
+    assert missing.status_code == 404
+
+
+async def test_metrics_have_histograms_with_values_after_a_request() -> None:
+    """/metrics exposes the cache and latency histograms, filled by a request."""
+    async with running_proxy() as (client, _):
+        await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        text = (await client.get("/metrics")).text
+    for name in ("prefixpin_prompt_tokens_count", "prefixpin_cached_tokens_count",
+                 "prefixpin_cached_fraction_count", "prefixpin_ttft_seconds_count",
+                 "prefixpin_prefill_seconds_count"):
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        assert float(line.rsplit(" ", 1)[1]) == 1.0, line
+    assert 'prefixpin_requests_total{endpoint="chat",outcome="ok"} 1.0' in text
+
+
+async def test_a_slow_prefill_gets_heartbeats_with_progress() -> None:
+    """While the engine prefills, heartbeat comments carry its progress."""
+    engine = FakeLlamaServer(FakeLlamaConfig(prefill_s_per_token=0.02, batch=8))
+    long_chat = {"messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 2,
+                 "stream": True}
+    async with running_proxy(engine, heartbeat_s=0.05) as (client, _):
+        response = await client.post("/v1/chat/completions", json=long_chat)
+        metrics = (await client.get("/metrics")).text
+    comments = [e for e in sse_events(response.text) if e.startswith(":")]
+    assert any(c.startswith(": prefill ") and " cached 0" in c for c in comments), comments
+    assert "prefixpin_heartbeats_total 0.0" not in metrics

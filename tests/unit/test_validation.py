@@ -1,0 +1,94 @@
+"""Request validation: every bad input is a 4xx naming its field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy.errors import BadRequestError, PayloadTooLargeError
+from proxy.validation import parse_request, read_body
+
+
+def chat(body: object) -> bytes:
+    return json.dumps(body).encode()
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_minimal_chat_body_parses() -> None:
+    """The smallest valid chat request is accepted with its stream/usage/progress flags."""
+    request = parse_request(chat({**GOOD, "stream": True,
+                                  "stream_options": {"include_usage": True}}),
+                            "chat", "/v1/chat/completions", max_messages=10)
+    assert request.stream
+    assert request.wants_usage
+    assert not request.wants_progress
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [
+    (b"", "empty"),
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "UTF-8"),
+    (b"[1,2]", "JSON object"),
+    (chat({}), "'messages' is required"),
+    (chat({"messages": "hi"}), "'messages' is required"),
+    (chat({"messages": []}), "at least one"),
+    (chat({"messages": [1]}), "messages[0]' must be an object"),
+    (chat({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
+    (chat({"messages": [{"content": "x"}]}), "messages[0].role"),
+    (chat({"messages": [{"role": "user", "content": 5}]}), "messages[0].content"),
+    (chat({"messages": [{"role": "user", "content": [1]}]}), "parts must be objects"),
+    (chat({"messages": [{"role": "assistant", "tool_calls": {}}]}), "tool_calls"),
+    (chat({**GOOD, "stream": "yes"}), "'stream' must be a boolean"),
+    (chat({**GOOD, "stream_options": 3}), "stream_options"),
+    (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
+])
+def test_bad_chat_bodies_are_rejected_with_a_reason(raw: bytes, fragment: str) -> None:
+    """Each malformed body raises a 400 whose message says what is wrong."""
+    with pytest.raises(BadRequestError) as caught:
+        parse_request(raw, "chat", "/v1/chat/completions", max_messages=10)
+    assert fragment in caught.value.message
+    assert caught.value.status_code == 400
+
+
+def test_too_many_messages_is_rejected() -> None:
+    """The message-count limit protects the tokenizer and fingerprint from floods."""
+    body = chat({"messages": [{"role": "user", "content": "x"}] * 11})
+    with pytest.raises(BadRequestError, match="limit is 10"):
+        parse_request(body, "chat", "/v1/chat/completions", max_messages=10)
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], ["a", 5]])
+def test_completion_prompts_accept_strings_and_token_ids(prompt: object) -> None:
+    """A completions prompt may be a string or an array of strings / token ids."""
+    parse_request(chat({"prompt": prompt}), "completions", "/v1/completions", max_messages=1)
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [True], [{"x": 1}]])
+def test_bad_completion_prompts_are_rejected(prompt: object) -> None:
+    """Anything else is a 400 naming 'prompt'."""
+    with pytest.raises(BadRequestError, match="'prompt'"):
+        parse_request(chat({"prompt": prompt}), "completions", "/v1/completions", max_messages=1)
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+@pytest.mark.anyio
+async def test_declared_length_over_the_limit_is_refused_before_reading() -> None:
+    """A Content-Length over the limit is a 413 without reading the body."""
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(_chunks(b"x"), "2048", max_bytes=1024)
+
+
+@pytest.mark.anyio
+async def test_streamed_body_over_the_limit_is_refused() -> None:
+    """A body without Content-Length is cut off as soon as it passes the limit."""
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(_chunks(b"x" * 600, b"x" * 600), None, max_bytes=1024)
+    assert await read_body(_chunks(b"ab", b"cd"), None, max_bytes=1024) == b"abcd"
