@@ -1,0 +1,48 @@
+"""Implicit session identity: chat messages to a chain of segment hashes.
+
+Sans-IO except :mod:`fingerprint.tokenizer`, which loads the model's tokenizer from a
+file. See :mod:`fingerprint.chain` for what a chain is and why it hashes only the edges
+of each segment.
+"""
+
+from fingerprint.chain import (
+    DEFAULT_BAR,
+    DEFAULT_EDGE,
+    Chain,
+    Edges,
+    chain,
+    extend,
+    nominates,
+    segment_bounds,
+    shared_leading,
+    start_chain,
+)
+from fingerprint.messages import (
+    TOOL_RESULT_CHARS,
+    CacheStats,
+    Encoder,
+    Markers,
+    MessageTokenCache,
+    chain_for_messages,
+    fingerprint_view,
+)
+
+__all__ = [
+    "DEFAULT_BAR",
+    "DEFAULT_EDGE",
+    "TOOL_RESULT_CHARS",
+    "CacheStats",
+    "Chain",
+    "Edges",
+    "Encoder",
+    "Markers",
+    "MessageTokenCache",
+    "chain",
+    "chain_for_messages",
+    "extend",
+    "fingerprint_view",
+    "nominates",
+    "segment_bounds",
+    "shared_leading",
+    "start_chain",
+]

@@ -1,0 +1,225 @@
+"""From chat messages to a segment chain, tokenizing each distinct message once.
+
+Each message is reduced to a canonical *fingerprint view* that drops what clients
+rewrite between turns (reasoning, think blocks, tool-call JSON formatting, the tail of
+old tool results), wrapped in the model's own message markers, tokenized, and the
+per-message token runs are chained (:mod:`fingerprint.chain`). The view is a
+fingerprint, not a prompt: the engine never sees it, and bytes still decide.
+
+The tokenizer is reached only through :class:`Encoder`, so this module stays free of
+I/O and tests can hand it the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from blake3 import blake3
+
+from fingerprint.chain import DEFAULT_EDGE, Chain, extend, start_chain
+
+__all__ = [
+    "TOOL_RESULT_CHARS",
+    "CacheStats",
+    "Encoder",
+    "Markers",
+    "MessageTokenCache",
+    "chain_for_messages",
+    "fingerprint_view",
+]
+
+# Agents trim old tool results (a sliding window cuts them to 400 chars): a view that
+# keeps only the first 256 survives any trim that keeps at least that much.
+TOOL_RESULT_CHARS = 256
+
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+
+
+class Encoder(Protocol):
+    """The one tokenizer call the fingerprint needs: text in, token ids out."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    """How a message view is wrapped before tokenizing, and which ids open a message.
+
+    ``open`` and ``close`` are the model's own turn markers (``<|im_start|>`` and
+    ``<|im_end|>\\n`` for ChatML); ``openers`` are the control-token ids that ``open``
+    tokenizes to, where segments start.
+    """
+
+    open: str
+    close: str
+    openers: frozenset[int]
+
+    def wrap(self, view: str) -> str:
+        return f"{self.open}{view}{self.close}"
+
+
+def fingerprint_view(message: Mapping[str, object]) -> str:
+    """The canonical text of ``message`` that its fingerprint segment is built from.
+
+    Role, then visible content, then one ``name(args)`` line per tool call with the
+    arguments as canonical JSON. Reasoning (``reasoning_content``, ``<think>`` blocks)
+    is excluded; a ``tool`` message keeps only its first :data:`TOOL_RESULT_CHARS`
+    characters.
+    """
+    role = str(message.get("role") or "")
+    text = _visible_text(message.get("content"))
+    if role == "tool":
+        body = text.lstrip()[:TOOL_RESULT_CHARS].rstrip()
+    else:
+        body = _without_reasoning(text).strip()
+    calls = _tool_call_lines(message.get("tool_calls"))
+    return "\n".join([role, body, *calls])
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class MessageTokenCache:
+    """A bounded LRU of token runs keyed by blake3 of the wrapped view text.
+
+    A long conversation then costs only its new messages. Bounded both in entries and in
+    cached tokens (ids are stored as packed uint32). A cache belongs to one tokenizer:
+    the key is the text alone. Safe to share between threads.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_tokens: int = 4_000_000) -> None:
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError("max_entries and max_tokens must be at least 1")
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self.stats = CacheStats()
+        self._runs: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._tokens
+
+    def tokens(self, text: str, encoder: Encoder) -> array[int]:
+        """The token ids of ``text``, from the cache or from ``encoder``."""
+        # JSON can carry lone surrogates, which no tokenizer accepts: they become "?".
+        data = text.encode("utf-8", "replace")
+        key = blake3(data).digest()
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                self._runs.move_to_end(key)
+                self.stats.hits += 1
+                return run
+            self.stats.misses += 1
+        # Tokenize outside the lock, so one long message does not stall other threads.
+        run = array("I", encoder.encode(data.decode("utf-8")))
+        self._store(key, run)
+        return run
+
+    def _store(self, key: bytes, run: array[int]) -> None:
+        if len(run) > self.max_tokens:
+            return  # larger than the whole budget: caching it would evict everything
+        with self._lock:
+            if key in self._runs:
+                return  # another thread tokenized the same text meanwhile
+            self._runs[key] = run
+            self._tokens += len(run)
+            while len(self._runs) > self.max_entries or self._tokens > self.max_tokens:
+                _, evicted = self._runs.popitem(last=False)
+                self._tokens -= len(evicted)
+                self.stats.evictions += 1
+
+
+def chain_for_messages(
+    messages: Iterable[Mapping[str, object]],
+    encoder: Encoder,
+    cache: MessageTokenCache,
+    markers: Markers,
+    *,
+    edge: int = DEFAULT_EDGE,
+) -> Chain:
+    """The fingerprint chain of a chat request's messages.
+
+    Equal to hashing the concatenated wrapped views in one piece, since each run starts
+    with an opener; only messages the cache has not seen are tokenized.
+    """
+    runs = [cache.tokens(markers.wrap(fingerprint_view(message)), encoder)
+            for message in messages]
+    return extend(start_chain(markers.openers, edge), *runs)
+
+
+def _visible_text(content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_part_text(part) for part in content)
+    return _canonical_json(content)
+
+
+def _part_text(part: object) -> str:
+    if not isinstance(part, Mapping):
+        return _visible_text(part)
+    if part.get("type") in ("text", "input_text", "output_text"):
+        return str(part.get("text") or "")
+    # An image or audio part: its kind is structure, its payload is left to bytes.
+    return f"[{part.get('type')}]"
+
+
+def _without_reasoning(text: str) -> str:
+    if "think>" not in text:
+        return text  # the common case, found at memory speed
+    text = _THINK_BLOCK.sub("", text)
+    # A template that opens the think block itself leaves only the closing tag in the
+    # reply; what precedes it is reasoning.
+    _, closed, after = text.rpartition(_THINK_CLOSE)
+    text = after if closed else text
+    # An unterminated block (a reply cut off while thinking) is reasoning to the end.
+    return text.partition(_THINK_OPEN)[0]
+
+
+def _tool_call_lines(tool_calls: object) -> list[str]:
+    if not isinstance(tool_calls, list):
+        return []
+    return [_tool_call_line(call) for call in tool_calls]
+
+
+def _tool_call_line(call: object) -> str:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        return f"?({_canonical_json(call)})"
+    return f"{function.get('name') or ''}({_canonical_arguments(function.get('arguments'))})"
+
+
+def _canonical_arguments(arguments: object) -> str:
+    # Clients re-serialize tool-call JSON (key order, spacing); the view parses it back.
+    if isinstance(arguments, str):
+        try:
+            return _canonical_json(json.loads(arguments))
+        except ValueError:
+            return arguments.strip()
+    return _canonical_json(arguments)
+
+
+def _canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=str)
