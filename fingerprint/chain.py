@@ -117,9 +117,9 @@ def segment_bounds(tokens: Sequence[int], openers: Collection[int]) -> list[tupl
     A segment starts at each opener; tokens before the first opener form a leading
     segment when there are any.
     """
-    starts = _opener_positions(tokens, openers)
     if not tokens:
         return []
+    starts = _opener_positions(tokens, openers)
     if not starts or starts[0] != 0:
         starts.insert(0, 0)
     return list(zip(starts, [*starts[1:], len(tokens)], strict=True))
@@ -128,8 +128,8 @@ def segment_bounds(tokens: Sequence[int], openers: Collection[int]) -> list[tupl
 def extend(chain: Chain, *runs: Sequence[int]) -> Chain:
     """``chain`` followed by the tokens of ``runs``, as if hashed in one piece.
 
-    Extending never rehashes more than the chain's last segment: tokens that do not
-    start with an opener continue it, and its digest is replaced.
+    Earlier segments are never rehashed: tokens that do not start with an opener continue
+    the chain's last segment, whose digest is replaced; each opener starts a new one.
     """
     openers, edge, root = chain.openers, chain.edge, chain.root
     digests = list(chain.digests)

@@ -73,6 +73,7 @@ class TokenType(enum.IntEnum):
     BYTE = 6
 
 
+_KNOWN_TYPES = frozenset(TokenType)
 # llama.cpp splits these out of the raw text before running the model's tokenizer.
 _PARTITIONED = frozenset({TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN})
 
@@ -241,10 +242,9 @@ def _as_id(value: object) -> int | None:
 
 
 def _token_types(vocab: GgufVocab) -> list[TokenType]:
-    # A GGUF without token types has only normal tokens (llama.cpp's default).
-    kinds = list(vocab.token_types) or [TokenType.NORMAL] * len(vocab.tokens)
-    return [TokenType(kind) if kind in TokenType._value2member_map_ else TokenType.UNDEFINED
-            for kind in kinds]
+    # Tokens without a type are normal (llama.cpp's default when the key is missing).
+    kinds = [*vocab.token_types, *[TokenType.NORMAL] * (len(vocab.tokens) - len(vocab.token_types))]
+    return [TokenType(kind) if kind in _KNOWN_TYPES else TokenType.UNDEFINED for kind in kinds]
 
 
 def _byte_level_bpe(vocab: GgufVocab) -> tuple[Tokenizer, bool]:

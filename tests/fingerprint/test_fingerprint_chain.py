@@ -6,7 +6,7 @@ import struct
 
 import pytest
 from blake3 import blake3
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fingerprint.chain import (
@@ -124,6 +124,7 @@ def test_hexdigests_for_logs() -> None:
     assert [len(h) for h in hexes] == [64, 64]
 
 
+@settings(deadline=None)  # microseconds of work, but a loaded CI box must not flake
 @given(streams, streams, streams)
 def test_extending_equals_recomputing(a: list[int], b: list[int], c: list[int]) -> None:
     """Extending a chain run by run gives exactly the chain of the concatenation."""
@@ -132,6 +133,7 @@ def test_extending_equals_recomputing(a: list[int], b: list[int], c: list[int]) 
     assert extend(extend(start_chain(OPENERS), a, b), c) == whole
 
 
+@settings(deadline=None)
 @given(st.lists(plain_ids, min_size=2 * EDGE + 1, max_size=60), st.data())
 def test_interior_edits_never_change_the_segment(body: list[int], data: st.DataObject) -> None:
     """Replacing, inserting or deleting interior tokens keeps every digest."""
@@ -142,6 +144,7 @@ def test_interior_edits_never_change_the_segment(body: list[int], data: st.DataO
     assert chain(before + edited, OPENERS).digests == chain(before + segment, OPENERS).digests
 
 
+@settings(deadline=None)
 @given(st.lists(plain_ids, min_size=0, max_size=40), st.data())
 def test_edge_edits_always_change_the_segment(body: list[int], data: st.DataObject) -> None:
     """Changing any of the first or last 8 ids changes the segment's digest."""
@@ -154,6 +157,7 @@ def test_edge_edits_always_change_the_segment(body: list[int], data: st.DataObje
     assert chain(edited, OPENERS).digests[-1] != chain(segment, OPENERS).digests[-1]
 
 
+@settings(deadline=None)
 @given(streams, streams)
 def test_shared_leading_is_symmetric_and_bounded(a: list[int], b: list[int]) -> None:
     """shared_leading(a, b) == shared_leading(b, a) <= min(len(a), len(b))."""
@@ -163,6 +167,7 @@ def test_shared_leading_is_symmetric_and_bounded(a: list[int], b: list[int]) -> 
     assert shared <= min(len(left), len(right))
 
 
+@settings(deadline=None)
 @given(streams, streams)
 def test_a_common_message_prefix_is_shared(prefix: list[int], rest: list[int]) -> None:
     """Every complete segment of a common prefix is shared (the last may still grow)."""
@@ -186,6 +191,7 @@ def test_opener_bytes_straddling_two_ids_are_not_an_opener() -> None:
     assert chain(straddling, OPENERS) == extend(start_chain(OPENERS), [256, 0], [OPEN, 5])
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40), st.data())
 def test_bounds_start_exactly_at_openers_for_any_ids(tokens: list[int],
                                                      data: st.DataObject) -> None:

@@ -131,6 +131,15 @@ def test_unrecognized_token_types_are_undefined() -> None:
     assert build_gguf_tokenizer(vocab).encode("ab") == [2]
 
 
+def test_a_short_type_list_leaves_the_rest_normal() -> None:
+    """Tokens past the end of the type list are normal, never an index error."""
+    vocab = GgufVocab(model="llama", pre="default", tokens=["<s>", "a", "b", "ab"],
+                      token_types=[3], scores=[0.0, 0.0, 0.0, -1.0])
+    tokenizer = build_gguf_tokenizer(vocab)
+    assert tokenizer.encode("<s>ab") == [0, 3]
+    assert tokenizer.control_ids == frozenset({0})
+
+
 def test_tokenizer_json_round_trip(smollm: ModelTokenizer, tmp_path: Path) -> None:
     """A tokenizer.json (file or directory) loads with its special tokens as controls."""
     smollm.backend.save(str(tmp_path / "tokenizer.json"))
