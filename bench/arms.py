@@ -1,0 +1,87 @@
+"""The arms of a run and the engine behind them: started, reset and stopped by the run.
+
+An arm is an OpenAI-compatible base URL. ``--arm NAME=URL`` points at something already
+running (``NAME`` alone is the engine itself); ``--serve-arm NAME[:ENV=VALUE,...]`` is a
+``prefixpin serve --upstream ENGINE`` the run starts with those environment variables and
+restarts before each of its reps, so every rep starts from the same proxy state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.engine import EngineAPI, EngineError, ManagedProcess, free_port, llama_server_argv
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(slots=True)
+class Arm:
+    name: str
+    url: str
+    process: ManagedProcess | None = None  # a proxy this run starts and restarts
+
+
+@dataclass(slots=True)
+class Rig:
+    engine: EngineAPI
+    reset: str  # restart | erase | none
+    llama: ManagedProcess | None
+
+    def reset_for(self, arm: Arm) -> None:
+        if self.reset == "restart":
+            if self.llama is None:
+                raise EngineError("--reset restart needs --start-llama")
+            self.llama.restart()
+        elif self.reset == "erase":
+            self.engine.erase_slots()
+        if arm.process is not None:
+            arm.process.restart()
+
+
+def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list[Arm]:
+    arms = []
+    for spec in args.arm:
+        name, _, url = spec.partition("=")
+        arms.append(Arm(name, engine_url if url in ("", "engine") else url.rstrip("/")))
+    for spec in args.serve_arm:
+        name, _, env_spec = spec.partition(":")
+        env = dict(item.split("=", 1) for item in env_spec.split(",") if item)
+        port = free_port()
+        argv = [str(Path(sys.executable).parent / "prefixpin"), "serve",
+                "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(port)]
+        process = ManagedProcess(f"prefixpin[{name}]", argv, f"http://127.0.0.1:{port}/healthz",
+                                 log_dir / f"prefixpin-{name}.log", env=env)
+        arms.append(Arm(name, f"http://127.0.0.1:{port}", process))
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"arm names must be unique: {names}")
+    return arms
+
+
+def start_llama(args: argparse.Namespace, work: Path) -> tuple[ManagedProcess, list[str]]:
+    from proxy.rig.llama_build import ensure_llama_server
+    from proxy.rig.models import ensure_model
+
+    port = free_port()
+    slot_dir = work / "slots"
+    slot_dir.mkdir(parents=True, exist_ok=True)
+    template = [] if args.template == "native" else [
+        "--chat-template-file", str(TEMPLATES / f"{args.template}.jinja")]
+    argv = llama_server_argv(ensure_llama_server(), ensure_model(args.model), port, slot_dir,
+                             [*template, *args.llama_arg])
+    process = ManagedProcess("llama-server", argv, f"http://127.0.0.1:{port}/health",
+                             work / "llama-server.log")
+    process.start()
+    return process, argv
+
+
+def rep_order(arms: list[Arm], rep: int) -> list[Arm]:
+    """Rotate the arms each rep: A B, B A, A B... so no arm always runs first."""
+    shift = rep % len(arms)
+    return arms[shift:] + arms[:shift]
+
+

@@ -1,0 +1,1 @@
+"""Deterministic text synthesis for the bench transcripts (pure functions of a ``Random``)."""

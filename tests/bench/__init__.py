@@ -1,0 +1,1 @@
+"""Tests of the replay bench (bench/): clients, checks, clock, report; no server."""
