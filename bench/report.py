@@ -8,6 +8,7 @@ per-turn medians; the end-to-end figure is the median over reps of a rep's wall 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -48,14 +49,21 @@ class ArmSummary:
 
     @property
     def flatness(self) -> float | None:
-        """Last turn's TTFT over the second turn's (issue 6's flat line is <= 1.5)."""
+        """Last turn's TTFT over the second turn's (issue 6's flat line is <= 1.5).
+
+        Only for one session: with several interleaved sessions the turns are not a line.
+        """
         if len(self.turns) < 3 or self.turns[1].ttft_ms <= 0:
+            return None
+        if len({turn.session for turn in self.turns}) > 1:
             return None
         return self.turns[-1].ttft_ms / self.turns[1].ttft_ms
 
 
-def _median(values: Iterable[float]) -> float:
-    return float(statistics.median(list(values)))
+def _median(values: Iterable[float | None]) -> float:
+    """Median of the values present; NaN when a turn failed in every rep."""
+    present = [value for value in values if value is not None]
+    return float(statistics.median(present)) if present else math.nan
 
 
 def summarize(rows: list[Row], walls: dict[str, list[float]]) -> dict[str, ArmSummary]:
@@ -80,9 +88,9 @@ def _turn_median(seq: int, rows: list[Row]) -> TurnMedian:
     return TurnMedian(
         seq=seq, session=first["session"], step=first["step"], rewrote=first["rewrote"],
         ttft_ms=_median(r["ttft_ms"] for r in rows),
-        prompt_tokens=_median(r["prompt_tokens"] or 0 for r in rows),
-        cached_tokens=_median(r["cached_tokens"] or 0 for r in rows),
-        prefill_ms=_median(r["prefill_ms"] or 0.0 for r in rows),
+        prompt_tokens=_median(r["prompt_tokens"] for r in rows),
+        cached_tokens=_median(r["cached_tokens"] for r in rows),
+        prefill_ms=_median(r["prefill_ms"] for r in rows),
         attempts=_median(r["attempts"] for r in rows))
 
 

@@ -121,3 +121,18 @@ def test_report_sums_per_turn_medians_not_means() -> None:
     assert summaries["b"].summed_ttft_ms == 100
     assert summaries["a"].engine_prompt_tokens == 20
     assert summaries["a"].reuse == pytest.approx(0.5)
+
+
+def test_flat_line_ratio_only_for_one_session() -> None:
+    """last / second turn TTFT is reported for a session, not across interleaved ones."""
+    rows = [_row("a", 0, seq, ttft) for seq, ttft in enumerate([900.0, 100.0, 150.0])]
+    assert summarize(rows, {"a": [1.0]})["a"].flatness == pytest.approx(1.5)
+    rows[2]["session"] = "other"
+    assert summarize(rows, {"a": [1.0]})["a"].flatness is None
+
+
+def test_a_failed_turn_does_not_break_the_medians() -> None:
+    """A turn with no TTFT in one rep takes the median of the reps that answered."""
+    rows = [_row("a", 0, 0, 100.0), _row("a", 1, 0, 300.0), _row("a", 2, 0, 200.0)]
+    rows[1]["ttft_ms"] = None
+    assert summarize(rows, {"a": [1.0]})["a"].summed_ttft_ms == pytest.approx(150.0)
