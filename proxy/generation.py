@@ -119,14 +119,17 @@ class Generation:
             raise UpstreamStatusError(upstream.status_code, body, upstream.content_type)
         self._set_head(Head(upstream.status_code))
         async for frame in upstream.aiter_frames():
+            if self.completed:
+                continue  # read to the end of the body so the connection is reused
             self._append(frame)
             if frame.kind is FrameKind.ERROR:
                 raise _mid_stream_error(frame)
             if frame.kind is FrameKind.DONE:
                 self.completed = True
-                return
-        # A stream that ends without [DONE] was cut off: never pretend it completed.
-        raise UpstreamProtocolError("engine closed the stream before it finished")
+                self._notify()
+        if not self.completed:
+            # A stream that ends without [DONE] was cut off: never pretend it completed.
+            raise UpstreamProtocolError("engine closed the stream before it finished")
 
     def _append(self, frame: Frame) -> None:
         now = time.monotonic()
@@ -182,12 +185,20 @@ class Subscriber:
                 return None
             changed = generation.changed()
             try:
-                await asyncio.wait_for(changed.wait(), remaining)
+                async with asyncio.timeout(remaining):  # no task per wait, unlike wait_for
+                    await changed.wait()
             except TimeoutError:
                 return None
         frame = generation.frames[self.position]
         self.position += 1
         return frame
+
+    def take_ready(self, limit: int) -> list[Frame]:
+        """The frames already produced that this client has not read, up to ``limit``."""
+        frames = self.generation.frames
+        taken = frames[self.position:self.position + limit]
+        self.position += len(taken)
+        return taken
 
     def close(self) -> None:
         if not self._closed:

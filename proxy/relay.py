@@ -10,6 +10,7 @@ headers went out, an OpenAI-shaped error event and a clean end of stream.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,9 +23,10 @@ from proxy.aggregate import aggregate
 from proxy.errors import ProxyError, error_event, error_response
 from proxy.figures import figures_from, with_cached_tokens
 from proxy.generation import Generation, Subscriber
-from proxy.sse import encode_comment
+from proxy.sse import encode_comment, encode_data
 from proxy.validation import ClientRequest
 
+BATCH_FRAMES = 256
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -65,6 +67,7 @@ async def _early_error(generation: Generation, arrival: float,
 async def _sse_body(subscriber: Subscriber, client: ClientRequest, heartbeat_s: float,
                     on_heartbeat: Callable[[], None]) -> AsyncIterator[bytes]:
     generation = subscriber.generation
+    view = ClientView(client, generation)
     try:
         yield encode_comment("prefixpin")
         last_sent = time.monotonic()
@@ -79,27 +82,75 @@ async def _sse_body(subscriber: Subscriber, client: ClientRequest, heartbeat_s: 
                 yield encode_comment(heartbeat_text(generation.progress, generation))
                 last_sent = time.monotonic()
                 continue
-            out = client_bytes(frame, client, generation)
+            # Frames the engine sent while this client was busy go out in one write.
+            parts = [view.bytes_for(f) for f in (frame, *subscriber.take_ready(BATCH_FRAMES))]
+            out = b"".join(part for part in parts if part)
             if out:
                 yield out
                 last_sent = time.monotonic()
+        if tail := view.flush():
+            yield tail
         if generation.error is not None and not generation.completed:
             yield error_event(generation.error)
     finally:
         subscriber.close()
 
 
-def client_bytes(frame: Frame, client: ClientRequest, generation: Generation) -> bytes | None:
-    """The bytes of ``frame`` this client should see, or None to hide it."""
-    if frame.kind is FrameKind.PING:
-        return None  # the proxy sends its own heartbeats
-    if frame.kind is FrameKind.PROGRESS:
-        return frame.raw if client.wants_progress else None
-    if frame.kind is FrameKind.USAGE:
-        if not client.wants_usage:
+class ClientView:
+    """What one client sees of a generation's frames.
+
+    The proxy always asks the engine for progress and usage; a client that did not ask
+    gets neither. llama-server puts ``timings`` on the usage chunk when usage was asked for
+    and on the finish chunk otherwise, so for a client that did not ask, the finish chunk
+    is held back one frame and given the usage chunk's ``timings``: the client sees what
+    the engine would have sent it directly.
+    """
+
+    def __init__(self, client: ClientRequest, generation: Generation) -> None:
+        self._client = client
+        self._generation = generation
+        self._held: Frame | None = None
+
+    def bytes_for(self, frame: Frame) -> bytes | None:
+        if frame.kind is FrameKind.USAGE and not self._client.wants_usage:
+            return self._release_with_timings(frame)
+        out = self._release_with_timings(None)
+        own = self._own_bytes(frame)
+        if own is not None and _is_finish_chunk(frame) and not self._client.wants_usage:
+            self._held = frame
+            return out
+        return (out or b"") + own if own is not None else out
+
+    def flush(self) -> bytes | None:
+        return self._release_with_timings(None)
+
+    def _own_bytes(self, frame: Frame) -> bytes | None:
+        if frame.kind is FrameKind.PING:
+            return None  # the proxy sends its own heartbeats
+        if frame.kind is FrameKind.PROGRESS:
+            return frame.raw if self._client.wants_progress else None
+        if frame.kind is FrameKind.USAGE:
+            generation = self._generation
+            return with_cached_tokens(frame, generation.frames, generation.progress).raw
+        return frame.raw
+
+    def _release_with_timings(self, usage: Frame | None) -> bytes | None:
+        held, self._held = self._held, None
+        if held is None:
             return None
-        return with_cached_tokens(frame, generation.frames, generation.progress).raw
-    return frame.raw
+        timings = (usage.data or {}).get("timings") if usage is not None else None
+        if timings is None or (held.data or {}).get("timings") is not None:
+            return held.raw
+        return encode_data(json.dumps({**(held.data or {}), "timings": timings},
+                                      separators=(",", ":"), ensure_ascii=False))
+
+
+def _is_finish_chunk(frame: Frame) -> bool:
+    if frame.kind is not FrameKind.CHUNK or frame.data is None:
+        return False
+    choices = frame.data.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
 def heartbeat_text(progress: Progress | None, generation: Generation) -> str:

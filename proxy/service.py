@@ -10,6 +10,8 @@ is; session affinity, history repair and parking plug in as richer planners.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -68,6 +70,16 @@ class PassThroughPlanner:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    plan: Plan
+    client: ClientRequest
+    figures: Figures
+    outcome: str
+    ttft: float | None
+    error: str | None
+
+
 @dataclass(slots=True)
 class SlotLedger:
     """Per engine slot, the prompt size of its last request: the yardstick for prefix breaks."""
@@ -100,6 +112,7 @@ class ProxyService:
         self.ledger = SlotLedger()
         self.log = logger or get_logger()
         self.generations: set[Generation] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         arrival = time.monotonic()
@@ -122,6 +135,9 @@ class ProxyService:
     async def aclose(self) -> None:
         for generation in list(self.generations):
             await generation.aclose()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     def _start(self, plan: Plan, client: ClientRequest, arrival: float) -> Generation:
         adapter = self.backend.adapter
@@ -140,36 +156,67 @@ class ProxyService:
 
     def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
                 arrival: float) -> None:
+        """Figures go to the metrics at once; the log line waits for the slot to be known."""
         figures = figures_from(generation.frames, generation.progress)
         outcome = _generation_outcome(generation)
         self.metrics.requests.labels(client.endpoint, outcome).inc()
-        upstream = self.backend.label
         if figures.prompt_tokens is not None and outcome == "ok":
-            self._observe_cache(upstream, figures)
+            self._observe_cache(self.backend.label, figures)
         timeline = generation.timeline
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint).observe(ttft)
-        shortfall = None
-        if plan.slot is not None and outcome == "ok":
-            self.metrics.slot_cached_tokens.labels(upstream, str(plan.slot)).set(
-                figures.cached_tokens or 0)
-            shortfall = self.ledger.record(upstream, plan.slot, figures)
         self.planner.commit(plan, generation, figures)
+        record = RequestRecord(plan, client, figures, outcome, ttft,
+                               generation.error.message if generation.error else None)
+        if plan.slot is None and outcome == "ok" and self.backend.adapter.capabilities.slots:
+            task = asyncio.get_running_loop().create_task(self._locate_then_log(record))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            self._log_request(record, plan.slot)
+
+    async def _locate_then_log(self, record: RequestRecord) -> None:
+        slot = None
+        with contextlib.suppress(ProxyError, TimeoutError):
+            slot = await asyncio.wait_for(self._locate_slot(record.figures), 2.0)
+        self._log_request(record, slot)
+
+    async def _locate_slot(self, figures: Figures) -> int | None:
+        """Which slot served a request that was not pinned, read back from /slots.
+
+        A slot holds the prompt plus the generated tokens but the last; among idle slots
+        holding exactly that many, the one that took the newest task is ours.
+        """
+        if figures.prompt_tokens is None:
+            return None
+        held = figures.prompt_tokens + max(0, (figures.completion_tokens or 0) - 1)
+        slots = await self.backend.adapter.list_slots()
+        matches = [s for s in slots if not s.is_processing and s.n_prompt_tokens == held]
+        return max(matches, key=lambda s: s.id_task).id if matches else None
+
+    def _log_request(self, record: RequestRecord, slot: int | None) -> None:
+        upstream, figures, plan = self.backend.label, record.figures, record.plan
+        shortfall = None
+        if slot is not None and record.outcome == "ok":
+            self.metrics.slot_cached_tokens.labels(upstream, str(slot)).set(
+                figures.cached_tokens or 0)
+            shortfall = self.ledger.record(upstream, slot, figures)
         fields: dict[str, Any] = {
-            "endpoint": client.endpoint, "outcome": outcome, "upstream": upstream,
-            "slot": plan.slot, "session": plan.session, "stream": client.stream,
-            "prompt_tokens": figures.prompt_tokens, "cached_tokens": figures.cached_tokens,
-            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+            "endpoint": record.client.endpoint, "outcome": record.outcome,
+            "upstream": upstream, "slot": slot, "session": plan.session,
+            "stream": record.client.stream, "prompt_tokens": figures.prompt_tokens,
+            "cached_tokens": figures.cached_tokens,
+            "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
             "prefill_ms": figures.prompt_ms, **plan.notes,
         }
-        if generation.error is not None and outcome != "ok":
-            fields["error"] = generation.error.message
+        if record.error is not None and record.outcome != "ok":
+            fields["error"] = record.error
         log_event(self.log, logging.INFO, "request", **fields)
         if shortfall is not None:
-            self.metrics.prefix_breaks.labels(upstream, "unknown").inc()
-            log_event(self.log, logging.WARNING, "prefix break", upstream=upstream,
-                      slot=plan.slot, session=plan.session, shortfall=shortfall,
+            self.metrics.prefix_breaks.labels(upstream, plan.notes.get("cause", "unknown")).inc()
+            log_event(self.log, logging.WARNING, "prefix break", upstream=upstream, slot=slot,
+                      session=plan.session, shortfall=shortfall,
                       cached_tokens=figures.cached_tokens, prompt_tokens=figures.prompt_tokens)
 
     def _observe_cache(self, upstream: str, figures: Figures) -> None:

@@ -34,13 +34,18 @@ class SSEDecoder:
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         self._buffer += chunk
         events: list[SSEEvent] = []
-        while (end := _find_event_end(self._buffer)) is not None:
+        start = 0
+        buffer = self._buffer
+        # Engines end events with LF LF; CR-style endings are rare, so only pay for them
+        # when a CR is actually present.
+        find_end = _find_event_end if b"\r" in buffer else _find_lf_event_end
+        while (end := find_end(buffer, start)) is not None:
             stop, after = end
-            raw = bytes(self._buffer[:after])
-            block = bytes(self._buffer[:stop])
-            del self._buffer[:after]
-            events.append(_parse_block(block, raw))
-        if len(self._buffer) > self._max_event_bytes:
+            events.append(_parse_block(bytes(buffer[start:stop]), bytes(buffer[start:after])))
+            start = after
+        if start:
+            del buffer[:start]
+        if len(buffer) > self._max_event_bytes:
             raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
         return events
 
@@ -54,17 +59,25 @@ class SSEDecoder:
         return [_parse_block(raw, raw + b"\n\n")]
 
 
-def _find_event_end(buffer: bytearray) -> tuple[int, int] | None:
+def _find_lf_event_end(buffer: bytearray, start: int) -> tuple[int, int] | None:
+    index = buffer.find(b"\n\n", start)
+    return None if index == -1 else (index, index + 2)
+
+
+def _find_event_end(buffer: bytearray, start: int) -> tuple[int, int] | None:
     """Position of the blank line ending the first event: (end of block, end of separator)."""
     best: tuple[int, int] | None = None
     for separator in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        index = buffer.find(separator)
+        index = buffer.find(separator, start)
         if index != -1 and (best is None or index < best[0]):
             best = (index, index + len(separator))
     return best
 
 
 def _parse_block(block: bytes, raw: bytes) -> SSEEvent:
+    if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
+        # The common case, one data line, without the general line machinery.
+        return SSEEvent(raw=raw, data=block[6:].decode("utf-8", errors="replace"))
     data_lines: list[str] = []
     comments: list[str] = []
     event = ""

@@ -26,7 +26,7 @@ class LlamaServerProcess:
     process: subprocess.Popen[bytes]
     log_path: Path
     slot_save_path: Path | None
-    args: tuple[str, ...]
+    args: tuple[str, ...]  # the whole command line, binary included
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -60,7 +60,14 @@ def llama_args(model: Path, port: int, *, slots: int, ctx_per_slot: int,
 def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_slot: int = 8192,
                      slot_save_path: Path | bool | None = True, threads: int | None = None,
                      extra: Sequence[str] = (), port: int | None = None,
-                     startup_timeout: float = 120.0) -> Iterator[LlamaServerProcess]:
+                     startup_timeout: float = 120.0, nice: int = 10,
+                     ) -> Iterator[LlamaServerProcess]:
+    """A llama-server for tests and benches.
+
+    It runs at a lower CPU priority (``nice``): on a 2-core machine its compute threads
+    would otherwise starve the proxy and the test client, which on a real GPU box never
+    compete with the engine for the CPU.
+    """
     binary = ensure_llama_server()
     model_file = Path(model) if isinstance(model, Path) or "/" in str(model) else ensure_model(
         str(model))
@@ -75,7 +82,7 @@ def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_s
                                     slots=slots, ctx_per_slot=ctx_per_slot,
                                     slot_save_path=save_dir, threads=threads or os.cpu_count() or 2,
                                     extra=extra, port=port or free_port(),
-                                    startup_timeout=startup_timeout)
+                                    startup_timeout=startup_timeout, nice=nice)
         try:
             yield handle
         finally:
@@ -85,15 +92,16 @@ def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_s
 def start_llama_server(binary: Path, model: Path, log_path: Path, *, slots: int,
                        ctx_per_slot: int, slot_save_path: Path | None, threads: int,
                        extra: Sequence[str], port: int,
-                       startup_timeout: float) -> LlamaServerProcess:
+                       startup_timeout: float, nice: int = 10) -> LlamaServerProcess:
     args = llama_args(model, port, slots=slots, ctx_per_slot=ctx_per_slot,
                       slot_save_path=slot_save_path, threads=threads, extra=extra)
     log = log_path.open("ab")
-    process = subprocess.Popen([str(binary), *args], stdout=log, stderr=subprocess.STDOUT,
+    command = ["nice", "-n", str(nice), str(binary), *args] if nice else [str(binary), *args]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL)
     log.close()
     handle = LlamaServerProcess(f"http://127.0.0.1:{port}", port, process, log_path,
-                                slot_save_path, tuple(args))
+                                slot_save_path, tuple(command))
     try:
         wait_healthy(handle, startup_timeout)
     except BaseException:
@@ -115,12 +123,11 @@ def wait_healthy(handle: LlamaServerProcess, timeout: float) -> None:
     raise TimeoutError(f"llama-server not healthy after {timeout} s:\n{handle.log_tail()}")
 
 
-def restart(handle: LlamaServerProcess, binary: Path | None = None,
-            startup_timeout: float = 120.0) -> LlamaServerProcess:
+def restart(handle: LlamaServerProcess, startup_timeout: float = 120.0) -> LlamaServerProcess:
     """Stop and start the same server (same port, flags and slot-save path)."""
     stop(handle)
     log = handle.log_path.open("ab")
-    process = subprocess.Popen([str(binary or ensure_llama_server()), *handle.args], stdout=log,
+    process = subprocess.Popen(list(handle.args), stdout=log,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
     handle.process = process

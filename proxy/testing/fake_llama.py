@@ -34,6 +34,7 @@ class FakeLlamaConfig:
     batch: int = 512
     prefill_s_per_token: float = 0.0
     token_delay_s: float = 0.0
+    events_per_write: int = 1  # >1 batches SSE events per socket write, as a busy server does
     model: str = "fake-model.gguf"
 
 
@@ -132,7 +133,8 @@ class FakeLlamaServer:
         slot = self._choose(body, tokens)
         stream = self._stream(body, slot, tokens, chat, fault)
         if body.get("stream"):
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(_batched(stream, self.config.events_per_write),
+                                     media_type="text/event-stream")
         return await _collect(stream, chat)
 
     def _choose(self, body: Mapping[str, Any], tokens: list[str]) -> _Slot:
@@ -193,15 +195,32 @@ class FakeLlamaServer:
                 slot.tokens.append(word)
             timings = {"cache_n": cache, "prompt_n": len(tokens) - cache, "prompt_ms": prompt_ms,
                        "predicted_n": len(words)}
-            yield _sse({**_finish_chunk(envelope, chat), "timings": timings})
+            usage = {"completion_tokens": len(words), "prompt_tokens": len(tokens),
+                     "total_tokens": len(words) + len(tokens),
+                     "prompt_tokens_details": {"cached_tokens": cache}}
             options = body.get("stream_options") or {}
-            if options.get("include_usage"):
-                yield _sse({**envelope, "choices": [], "usage": {
-                    "completion_tokens": len(words), "prompt_tokens": len(tokens),
-                    "total_tokens": len(words) + len(tokens),
-                    "prompt_tokens_details": {"cached_tokens": cache}}, "timings": timings})
+            # As llama-server: chat puts timings on the usage chunk when usage was asked for,
+            # else on the finish chunk; completions put usage and timings on the finish chunk.
+            if not chat:
+                yield _sse({**_finish_chunk(envelope, chat), "usage": usage, "timings": timings})
+            elif options.get("include_usage"):
+                yield _sse(_finish_chunk(envelope, chat))
+                yield _sse({**envelope, "choices": [], "usage": usage, "timings": timings})
+            else:
+                yield _sse({**_finish_chunk(envelope, chat), "timings": timings})
             yield b"data: [DONE]\n\n"
             slot.last_used = time.monotonic()
+
+
+async def _batched(stream: AsyncIterator[bytes], size: int) -> AsyncIterator[bytes]:
+    batch: list[bytes] = []
+    async for event in stream:
+        batch.append(event)
+        if len(batch) >= size:
+            yield b"".join(batch)
+            batch.clear()
+    if batch:
+        yield b"".join(batch)
 
 
 def _render(body: Mapping[str, Any], chat: bool) -> str:
@@ -279,3 +298,24 @@ async def _collect(stream: AsyncIterator[bytes], chat: bool) -> Response:
         "text": "".join(text), "index": 0, "logprobs": None, "finish_reason": "stop"}
     return JSONResponse({**final, "object": "chat.completion" if chat else "text_completion",
                          "choices": [choice]})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m proxy.testing.fake_llama --port P [--reply-words N]``: serve the fake."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--reply-words", type=int, default=10)
+    parser.add_argument("--events-per-write", type=int, default=1)
+    args = parser.parse_args(argv)
+    reply = " ".join(f"w{i}" for i in range(args.reply_words))
+    engine = FakeLlamaServer(FakeLlamaConfig(reply=reply, events_per_write=args.events_per_write))
+    uvicorn.run(engine.app(), host="127.0.0.1", port=args.port, log_level="warning",
+                access_log=False)
+
+
+if __name__ == "__main__":
+    main()

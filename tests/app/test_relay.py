@@ -185,3 +185,15 @@ async def test_a_slow_prefill_gets_heartbeats_with_progress() -> None:
     comments = [e for e in sse_events(response.text) if e.startswith(":")]
     assert any(c.startswith(": prefill ") and " cached 0" in c for c in comments), comments
     assert "prefixpin_heartbeats_total 0.0" not in metrics
+
+
+async def test_a_client_without_usage_still_gets_timings_on_its_finish_chunk() -> None:
+    """The engine moves timings to the usage chunk when asked for usage; the proxy moves
+    them back for a client that did not ask, as the engine would have sent them."""
+    async with running_proxy() as (client, _):
+        payloads = data_of(sse_events(
+            (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text))
+    finish = [p for p in payloads[:-1] if p["choices"][0].get("finish_reason")]
+    assert len(finish) == 1
+    assert finish[0]["timings"]["prompt_n"] > 0
+    assert payloads.index(finish[0]) == len(payloads) - 2, "finish chunk must stay in order"

@@ -1,0 +1,142 @@
+"""What the proxy adds: latency per request and relay throughput, side by side with direct.
+
+A zero-latency fake llama-server (``proxy.testing.fake_llama``, real uvicorn, its own
+process) serves both arms; prefixpin runs in its own process in front of it (features at
+their defaults). Requests alternate direct / proxy so machine noise hits both arms alike.
+
+    python bench/overhead.py [--requests 400] [--events 20000] [--out bench/results/overhead]
+
+Added latency = the proxy arm's percentile minus the direct arm's, for the time to the
+last byte of a short streamed chat completion (the whole request path) and the time to
+its first data event. Relay throughput = data events per second of one long stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from proxy.testing.servers import free_port
+
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
+
+
+@contextmanager
+def process(args: list[str], url: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError(f"{args} did not start")
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def timed_request(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, float,
+                                                                                 int]:
+    """(seconds to first data event, seconds to last byte, data events)."""
+    start = time.perf_counter()
+    first = None
+    events = 0
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+                if first is None:
+                    first = time.perf_counter() - start
+    return (first or 0.0), time.perf_counter() - start, events
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(requests: int, events: int) -> dict[str, Any]:
+    fake_port, proxy_port = free_port(), free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    proxied = f"http://127.0.0.1:{proxy_port}"
+    # The fake writes 16 events per socket write: the relay is measured, not the fake's
+    # own per-write cost (a real engine's tokens are far slower than either).
+    fake_cmd = [sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(fake_port),
+                "--reply-words", str(events), "--events-per-write", "16"]
+    proxy_cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
+                 "--port", str(proxy_port), "--log-level", "warning"]
+    arms = {"direct": fake, "proxy": proxied}
+    first: dict[str, list[float]] = {arm: [] for arm in arms}
+    total: dict[str, list[float]] = {arm: [] for arm in arms}
+    throughput: dict[str, list[float]] = {arm: [] for arm in arms}
+    with process(fake_cmd, fake), process(proxy_cmd, proxied.replace("/health", "")), \
+            httpx.Client(timeout=60) as client:
+        for url in arms.values():  # warm up both paths
+            for _ in range(20):
+                timed_request(client, url, CHAT)
+        for _ in range(requests):
+            for arm, url in arms.items():
+                f, t, _ = timed_request(client, url, CHAT)
+                first[arm].append(f)
+                total[arm].append(t)
+        for _ in range(3):
+            for arm, url in arms.items():
+                _, seconds, n = timed_request(client, url, {**CHAT, "max_tokens": events})
+                throughput[arm].append(n / seconds)
+    return summarise(first, total, throughput, requests, events)
+
+
+def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
+              throughput: dict[str, list[float]], requests: int, events: int) -> dict[str, Any]:
+    ms = 1000.0
+    result: dict[str, Any] = {"requests_per_arm": requests, "events_per_stream": events}
+    for name, series in (("first_event", first), ("last_byte", total)):
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            direct = percentile(series["direct"], q) * ms
+            proxy = percentile(series["proxy"], q) * ms
+            result[f"{name}_{label}_direct_ms"] = round(direct, 3)
+            result[f"{name}_{label}_proxy_ms"] = round(proxy, 3)
+            result[f"{name}_{label}_added_ms"] = round(proxy - direct, 3)
+    result["relay_events_per_s_direct"] = round(statistics.median(throughput["direct"]))
+    result["relay_events_per_s_proxy"] = round(statistics.median(throughput["proxy"]))
+    result["relay_ratio_proxy_over_direct"] = round(
+        result["relay_events_per_s_proxy"] / result["relay_events_per_s_direct"], 3)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
+    args = parser.parse_args()
+    result = run(args.requests, args.events)
+    result["command"] = "python " + " ".join(sys.argv)
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "platform": platform.platform()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
