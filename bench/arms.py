@@ -72,7 +72,7 @@ def start_llama(args: argparse.Namespace, work: Path) -> tuple[ManagedProcess, l
     template = [] if args.template == "native" else [
         "--chat-template-file", str(TEMPLATES / f"{args.template}.jinja")]
     argv = llama_server_argv(ensure_llama_server(), ensure_model(args.model), port, slot_dir,
-                             [*template, *args.llama_arg])
+                             ["-t", str(args.threads), *template, *args.llama_arg])
     process = ManagedProcess("llama-server", argv, f"http://127.0.0.1:{port}/health",
                              work / "llama-server.log")
     process.start()

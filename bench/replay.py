@@ -61,6 +61,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
                         help="extra llama-server argument (repeat; use --llama-arg=--flag)")
     parser.add_argument("--model", default="smollm2", help="rig model for --start-llama")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="llama-server -t for --start-llama (default 1: on a shared "
+                             "two-core machine two threads spin at barriers and stall)")
     parser.add_argument("--template", choices=("chatml-tools", "native"), default="chatml-tools",
                         help="chat template for --start-llama: bench/templates/chatml-tools.jinja "
                              "renders tools, tool calls and reasoning (SmolLM2's own renders "

@@ -63,9 +63,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("sliding-window", SlidingWindowClient(), ("session-00",), ALL),
     Scenario("prune", PruneClient(), ("session-00",), ALL),
     Scenario("compaction", CompactionClient(), ("session-00",), ALL),
-    # These two re-prefill the whole prompt every turn without help: 6 turns is ~15k tokens.
-    Scenario("volatile-system", VolatileSystemClient(), ("session-00",), 6),
-    Scenario("tools-reorder", ToolsReorderClient(), ("session-00",), 6),
+    # These two re-prefill the whole prompt every turn without help: 5 turns is ~11k tokens.
+    Scenario("volatile-system", VolatileSystemClient(), ("session-00",), 5),
+    Scenario("tools-reorder", ToolsReorderClient(), ("session-00",), 5),
     Scenario("interleaved", InterleavedClient(),
              tuple(f"session-{i:02d}" for i in range(SESSIONS)), 4,
              interleave=True, needs_more_sessions_than_slots=True),
