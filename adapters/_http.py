@@ -38,16 +38,35 @@ def _describe(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+async def send_with_stale_retry(http: httpx.AsyncClient, request: httpx.Request, *,
+                                stream: bool = True) -> httpx.Response:
+    """Send; retry once when a pooled keep-alive connection turns out closed.
+
+    llama-server sometimes closes a connection after a streamed response although it
+    advertised keep-alive; reusing it fails before any response byte with "Server
+    disconnected without sending a response". The request never reached the engine, so
+    one retry on a fresh connection is safe.
+    """
+    try:
+        return await http.send(request, stream=stream)
+    except httpx.RemoteProtocolError as exc:
+        if "without sending a response" not in str(exc):
+            raise
+    return await http.send(request, stream=stream)
+
+
 async def get_json(http: httpx.AsyncClient, path: str, what: str) -> Any:
     with map_httpx_errors(what):
-        response = await http.get(path)
+        response = await send_with_stale_retry(http, http.build_request("GET", path),
+                                               stream=False)
     return _json_body(response, what)
 
 
 async def post_json(http: httpx.AsyncClient, path: str, body: Mapping[str, Any], what: str,
                     params: Mapping[str, str] | None = None) -> Any:
     with map_httpx_errors(what):
-        response = await http.post(path, json=dict(body), params=params)
+        request = http.build_request("POST", path, json=dict(body), params=params)
+        response = await send_with_stale_retry(http, request, stream=False)
     return _json_body(response, what)
 
 

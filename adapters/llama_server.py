@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from adapters._http import get_json, map_httpx_errors, post_json
+from adapters._http import get_json, map_httpx_errors, post_json, send_with_stale_retry
 from adapters._openai_sse import classify
 from adapters.base import (
     Capabilities,
@@ -77,9 +77,13 @@ class LlamaServerAdapter:
     async def open_stream(self, call: UpstreamCall) -> AsyncIterator[_LlamaStream]:
         what = f"POST {call.path}"
         with map_httpx_errors(what):
-            async with self.http.stream("POST", call.path, json=dict(call.body),
-                                        headers=dict(call.headers)) as response:
-                yield _LlamaStream(response, what)
+            response = await send_with_stale_retry(
+                self.http, self.http.build_request("POST", call.path, json=dict(call.body),
+                                                   headers=dict(call.headers)))
+        try:
+            yield _LlamaStream(response, what)
+        finally:
+            await response.aclose()
 
     async def list_slots(self) -> list[SlotState]:
         slots = await get_json(self.http, "/slots", "GET /slots")

@@ -7,6 +7,7 @@ engine) instead of a network connection.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,11 +23,15 @@ from starlette.routing import Route
 
 from adapters.base import Adapter
 from adapters.llama_server import LlamaServerAdapter
+from proxy.affinity import AffinityPlanner
 from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
+from proxy.implicit import load_fingerprinter
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
 from proxy.passthrough import forward
+from proxy.placement import SlotPool
 from proxy.service import Backend, ProxyService
+from proxy.sessions import SessionStore
 from proxy.settings import Settings
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -38,6 +43,7 @@ class AppState:
     service: ProxyService
     metrics: Metrics
     started: float
+    sessions: SessionStore
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
@@ -50,11 +56,22 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         backend_adapter = adapter or _llama_server_adapter(settings, transport)
         backend = Backend(label=_label(settings), adapter=backend_adapter)
         service = ProxyService(settings, backend, metrics, logger=logger)
-        app.state.prefixpin = AppState(settings, service, metrics, time.time())
-        await _probe(backend, metrics, logger)
+        store = SessionStore()
+        app.state.prefixpin = AppState(settings, service, metrics, time.time(), store)
+        first_probe = asyncio.Event()
+        startup = asyncio.create_task(
+            _start_policies(settings, service, store, logger, first_probe))
         try:
+            # The first probe runs before the first request is served; an engine that is
+            # down does not hold the proxy up (it keeps probing in the background).
+            probed = asyncio.ensure_future(first_probe.wait())
+            await asyncio.wait({startup, probed}, timeout=settings.probe_timeout_s * 4,
+                               return_when=asyncio.FIRST_COMPLETED)
+            probed.cancel()
             yield
         finally:
+            startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
             await service.aclose()
             await backend_adapter.aclose()
 
@@ -65,6 +82,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         Route("/completions", _completions, methods=["POST"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        Route("/sessions", _sessions, methods=["GET"]),
         Route("/{path:path}", _passthrough, methods=ALL_METHODS),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
@@ -91,6 +109,20 @@ async def _passthrough(request: Request) -> Response:
 async def _metrics(request: Request) -> Response:
     body = state_of(request).metrics.exposition()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _sessions(request: Request) -> Response:
+    """Per namespace: each session, its slot, committed tokens and last decision."""
+    state = state_of(request)
+    pool = state.service.pool
+    body = {
+        "affinity": state.service.planner.__class__.__name__ == "AffinityPlanner",
+        "slots": [{"slot": e.index, "session": e.occupant, "kind": e.kind, "tokens": e.tokens,
+                   "busy": e.busy} for e in pool.entries] if pool else [],
+        "namespaces": {ns: [s.view() for s in sessions]
+                       for ns, sessions in state.sessions.namespaces().items()},
+    }
+    return JSONResponse(body)
 
 
 async def _healthz(request: Request) -> Response:
@@ -124,19 +156,41 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(openai_error("internal proxy error", "server_error"), status_code=500)
 
 
-async def _probe(backend: Backend, metrics: Metrics, logger: logging.Logger) -> None:
-    try:
-        backend.info = await backend.adapter.probe()
-    except UpstreamError as exc:
-        metrics.upstream_up.labels(backend.label).set(0)
-        log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
-                  error=exc.message)
-        return
+async def _start_policies(settings: Settings, service: ProxyService, store: SessionStore,
+                          logger: logging.Logger, first_probe: asyncio.Event) -> None:
+    """Probe the engine until it answers, then switch on what it supports."""
+    backend, metrics = service.backend, service.metrics
+    while True:
+        try:
+            backend.info = await backend.adapter.probe()
+            break
+        except UpstreamError as exc:
+            metrics.upstream_up.labels(backend.label).set(0)
+            log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
+                      error=exc.message)
+            first_probe.set()
+            await asyncio.sleep(2.0)
     metrics.upstream_up.labels(backend.label).set(1)
     info = backend.info
     log_event(logger, logging.INFO, "upstream ready", upstream=backend.label,
               engine=info.engine, model=info.model, slots=info.n_slots,
               n_ctx_slot=info.n_ctx_slot, build=info.build)
+    if not settings.affinity:
+        log_event(logger, logging.INFO, "affinity off", reason="PREFIXPIN_AFFINITY=0")
+        first_probe.set()
+        return
+    if not backend.adapter.capabilities.slots:
+        log_event(logger, logging.INFO, "affinity off",
+                  reason=f"{info.engine} does not let the proxy choose slots")
+        first_probe.set()
+        return
+    fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
+    pool = SlotPool(info.n_slots)
+    service.pool = pool
+    service.planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger)
+    log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
+              implicit=fingerprinter is not None)
+    first_probe.set()
 
 
 def _llama_server_adapter(settings: Settings,

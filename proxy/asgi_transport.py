@@ -30,7 +30,14 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
         task = asyncio.create_task(self._run(request, exchange))
         started = asyncio.ensure_future(exchange.started)
         waiters: set[asyncio.Future[Any]] = {task, started}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # The caller gave up before the response started: like a closed socket, the
+            # app hears http.disconnect (a queued request must not run to completion).
+            exchange.disconnected.set()
+            started.cancel()
+            raise
         if not started.done():
             started.cancel()
             task.result()  # re-raise the app's exception

@@ -23,7 +23,7 @@ from proxy.errors import (
     UpstreamStatusError,
 )
 
-Opener = Callable[[], AbstractAsyncContextManager[UpstreamStream]]
+Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 
 
 @dataclass(slots=True)
@@ -55,6 +55,7 @@ class Generation:
         self.finished = False
         self.completed = False  # ended with [DONE] (or a finish), not an error or cancel
         self.progress: Progress | None = None
+        self.waiting: str | None = None  # why no request went out yet (e.g. queued for a slot)
         self.timeline = Timeline()
         self._wakeup = asyncio.Event()
         self._subscribers = 0
@@ -103,7 +104,7 @@ class Generation:
 
     async def _run(self) -> None:
         try:
-            async with self._opener() as upstream:
+            async with self._opener(self) as upstream:
                 await self._consume(upstream)
         except ProxyError as exc:
             self._fail(exc)

@@ -47,6 +47,23 @@ class Metrics:
                                      ["upstream", "cause"], registry=r)
         self.upstream_up = Gauge("prefixpin_upstream_up", "1 when the engine answered its probe",
                                  ["upstream"], registry=r)
+        self.queue_wait = Histogram("prefixpin_queue_wait_seconds",
+                                    "Time a request waited for its engine slot",
+                                    buckets=SECONDS_BUCKETS, registry=r)
+        self.affinity_decisions = Counter("prefixpin_affinity_decisions",
+                                          "Affinity decisions by identity tier and outcome",
+                                          ["tier", "outcome"], registry=r)
+        self.affinity_declines = Counter("prefixpin_affinity_declines",
+                                         "Candidates declined because their bytes differed, "
+                                         "by the first difference's cause", ["cause"],
+                                         registry=r)
+        self.slot_evictions = Counter("prefixpin_slot_evictions",
+                                      "Slots handed from one session to another, by reason",
+                                      ["upstream", "reason"], registry=r)
+        self.slots_occupied = Gauge("prefixpin_slots_occupied",
+                                    "Engine slots holding a known session's history",
+                                    ["upstream"], registry=r)
+        self.sessions = Gauge("prefixpin_sessions", "Sessions the proxy tracks", registry=r)
         self.inflight = Gauge("prefixpin_inflight_generations",
                               "Upstream generations running now", registry=r)
 

@@ -154,6 +154,8 @@ def _is_finish_chunk(frame: Frame) -> bool:
 
 
 def heartbeat_text(progress: Progress | None, generation: Generation) -> str:
+    if generation.waiting is not None:
+        return generation.waiting
     if progress is None:
         return "waiting for the engine"
     if generation.timeline.first_output is not None:

@@ -14,19 +14,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Adapter, EngineInfo, UpstreamCall
+from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
 from proxy.errors import ClientError, GenerationCancelledError, ProxyError, QueueTimeoutError
 from proxy.figures import Figures, figures_from
 from proxy.generation import Generation
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
+from proxy.placement import Lease, SlotPool, Want
 from proxy.relay import respond
 from proxy.settings import Settings
 from proxy.validation import ClientRequest, Endpoint, parse_request, read_body
@@ -47,26 +49,44 @@ class Backend:
 
 @dataclass(slots=True)
 class Plan:
-    call: UpstreamCall
-    slot: int | None = None
+    """What to send and where: the (possibly rewritten) body, and the slot it needs."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
     session: str | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
+    want: Want | None = None  # a slot lease to take first; None lets the engine choose
+    slot: int | None = None  # the slot the request ran in, once known
+    notes: dict[str, Any] = field(default_factory=dict)  # decision fields for the log line
+    extras: dict[str, Any] = field(default_factory=dict)  # planner-private state
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    figures: Figures
+    ttft_ms: float | None
 
 
 class Planner(Protocol):
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan: ...
 
-    def commit(self, plan: Plan, generation: Generation, figures: Figures) -> None: ...
+    def on_lease(self, plan: Plan, lease: Lease) -> None:
+        """Called when the plan's slot lease is granted, before the request is sent."""
+
+    def commit(self, plan: Plan, outcome: Outcome) -> None: ...
 
 
 class PassThroughPlanner:
     """Forward the client's body as it came; no identity, no repair, no placement."""
 
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
-        call = backend.adapter.prepare(client.path, client.body, slot=None)
-        return Plan(call=_with_forwarded_headers(call, request.headers))
+        return Plan(path=client.path, body=client.body)
 
-    def commit(self, plan: Plan, generation: Generation, figures: Figures) -> None:
+    def on_lease(self, plan: Plan, lease: Lease) -> None:
+        return None
+
+    def commit(self, plan: Plan, outcome: Outcome) -> None:
         return None
 
 
@@ -104,11 +124,13 @@ class SlotLedger:
 
 class ProxyService:
     def __init__(self, settings: Settings, backend: Backend, metrics: Metrics,
-                 planner: Planner | None = None, logger: logging.Logger | None = None) -> None:
+                 planner: Planner | None = None, logger: logging.Logger | None = None,
+                 pool: SlotPool | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.metrics = metrics
         self.planner: Planner = planner or PassThroughPlanner()
+        self.pool = pool
         self.ledger = SlotLedger()
         self.log = logger or get_logger()
         self.generations: set[Generation] = set()
@@ -125,6 +147,7 @@ class ProxyService:
         except ProxyError as exc:
             self.metrics.requests.labels(endpoint, _outcome(exc)).inc()
             raise
+        plan.headers = {**_forwarded_headers(request.headers), **plan.headers}
         generation = self._start(plan, client, arrival)
         return await respond(
             request, client, generation, arrival=arrival,
@@ -140,19 +163,42 @@ class ProxyService:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def _start(self, plan: Plan, client: ClientRequest, arrival: float) -> Generation:
-        adapter = self.backend.adapter
-
         def finished(generation: Generation) -> None:
             self.generations.discard(generation)
             self.metrics.inflight.set(len(self.generations))
             self._record(plan, client, generation, arrival)
 
-        generation = Generation(lambda: adapter.open_stream(plan.call),
+        generation = Generation(lambda g: self._open(plan, g),
                                 grace_s=self.settings.retry_grace_s, on_finish=finished)
         self.generations.add(generation)
         self.metrics.inflight.set(len(self.generations))
         generation.start()
         return generation
+
+    @asynccontextmanager
+    async def _open(self, plan: Plan, generation: Generation) -> AsyncIterator[UpstreamStream]:
+        """Take the plan's slot lease (waiting, with heartbeats, while it is busy), then open
+        the engine request; the lease is held until the engine's answer is fully read."""
+        adapter = self.backend.adapter
+        if plan.want is None or self.pool is None:
+            call = adapter.prepare(plan.path, plan.body, slot=None)
+            async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
+                yield upstream
+            return
+        waited = time.monotonic()
+
+        def on_wait(text: str) -> None:
+            generation.waiting = text
+
+        async with self.pool.lease(plan.want, timeout_s=self.settings.queue_timeout_s,
+                                   on_wait=on_wait) as lease:
+            generation.waiting = None
+            self.metrics.queue_wait.observe(time.monotonic() - waited)
+            plan.slot = lease.slot
+            self.planner.on_lease(plan, lease)
+            call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
+            async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
+                yield upstream
 
     def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
                 arrival: float) -> None:
@@ -166,7 +212,8 @@ class ProxyService:
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint).observe(ttft)
-        self.planner.commit(plan, generation, figures)
+        self.planner.commit(plan, Outcome(outcome == "ok", figures,
+                                          round(ttft * 1000, 1) if ttft is not None else None))
         record = RequestRecord(plan, client, figures, outcome, ttft,
                                generation.error.message if generation.error else None)
         if plan.slot is None and outcome == "ok" and self.backend.adapter.capabilities.slots:
@@ -228,9 +275,12 @@ class ProxyService:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
 
 
-def _with_forwarded_headers(call: UpstreamCall, headers: Mapping[str, str]) -> UpstreamCall:
-    forwarded = {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
-    return UpstreamCall(call.path, call.body, {**forwarded, **call.headers})
+def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+
+
+def _with_headers(call: UpstreamCall, headers: Mapping[str, str]) -> UpstreamCall:
+    return UpstreamCall(call.path, call.body, {**headers, **call.headers})
 
 
 def _outcome(exc: ProxyError) -> str:

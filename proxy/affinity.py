@@ -1,0 +1,233 @@
+"""Session affinity: identity nominates, bytes decide, and each session keeps its slot.
+
+For each request (steps 2, 4, 5 and 6 of the request path):
+
+1. tenant namespace and explicit session key (``proxy.identity``);
+2. candidates: the histories under the key; without a key, the keyless sessions of the
+   namespace whose fingerprint chain shares at least 3 leading segments with the request's
+   (or, with no tokenizer, whose first 3 messages are byte-identical);
+3. bytes decide (``proxy.history``): a candidate whose committed history the request
+   extends (or repeats) is *resumed*; a key's history that the request rewrites after a
+   shared prefix is *rewound* (an edited last message: the engine still reuses the prefix);
+   otherwise the request starts a *new* history and the reason for every decline is kept;
+4. placement (``proxy.placement``): a resumed or rewound session goes to the slot holding
+   it; a new one to an empty slot, else the cheapest victim. A slot that changes hands
+   between namespaces is never reused from cache (``cache_prompt: false``), so no tenant
+   can learn anything from another's cached prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from starlette.requests import Request
+
+from fingerprint import Chain, nominates, shared_leading
+from proxy.history import Committed, Verdict, decide, digest
+from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
+from proxy.implicit import Fingerprinter
+from proxy.logs import log_event
+from proxy.metrics import Metrics
+from proxy.placement import Lease, SlotPool, Want
+from proxy.service import Backend, Outcome, Plan
+from proxy.sessions import Kind, Session, SessionStore, TurnFigures
+from proxy.validation import ClientRequest
+
+Tier = Literal["explicit", "implicit", "none"]
+DecisionOutcome = Literal["resumed", "rewound", "new"]
+
+NOMINATION_BAR = 3  # shared leading segments (a bare system prompt is shared by all)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    tier: Tier
+    outcome: DecisionOutcome
+    session: Session
+    verdict: Verdict | None  # for a new history: the best decline, if any candidate
+    chain: Chain | None
+
+
+class AffinityPlanner:
+    def __init__(self, store: SessionStore, pool: SlotPool, metrics: Metrics,
+                 fingerprinter: Fingerprinter | None, logger: logging.Logger) -> None:
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.fingerprinter = fingerprinter
+        self.log = logger
+
+    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
+        namespace = namespace_of(request.headers)
+        identity = explicit_identity(client.body, request.headers)
+        decision = await self._decide(client, namespace, identity)
+        session = decision.session
+        self._observe(decision, backend.label)
+        body = dict(client.body)
+        preferred = self.pool.holder_of(session.id)
+        notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
+                                 "reason": session.last_reason, "namespace": namespace,
+                                 "upstream": backend.label}
+        plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
+                    want=Want(session.id, session.kind, preferred, session.prompt_tokens))
+        plan.extras["chain"] = decision.chain
+        return plan
+
+    def on_lease(self, plan: Plan, lease: Lease) -> None:
+        """A slot that last held another tenant's history, or one the proxy knows nothing
+        about (it restarted), is never read from cache: no tenant learns anything from
+        another's cached prefix, not even its length."""
+        session = self.store.get(plan.session) if plan.session else None
+        if session is None:
+            return
+        if lease.eviction is not None:
+            self.metrics.slot_evictions.labels(plan.notes.get("upstream", ""),
+                                               lease.eviction.reason).inc()
+            previous = self.store.get(lease.eviction.session_id)
+            if previous is None or previous.namespace != session.namespace:
+                plan.body["cache_prompt"] = False
+                plan.notes["cache"] = "blocked: slot held another namespace"
+            if previous is not None:
+                previous.slot = None
+        elif not self.pool.known(lease.slot):
+            plan.body["cache_prompt"] = False
+            plan.notes["cache"] = "blocked: slot contents unknown"
+        self.pool.mark_known(lease.slot)
+
+    def commit(self, plan: Plan, outcome: Outcome) -> None:
+        session = self.store.get(plan.session) if plan.session else None
+        if session is None:
+            return
+        figures = outcome.figures
+        session.turns.append(TurnFigures(time.time(), session.last_decision,
+                                         figures.prompt_tokens, figures.cached_tokens,
+                                         outcome.ttft_ms))
+        self.metrics.sessions.set(len(self.store))
+        if not outcome.ok:
+            return
+        body = plan.body
+        session.committed = (Committed.of_chat(body) if "messages" in body
+                             else Committed.of_completion(body))
+        session.chain = plan.extras.get("chain") or session.chain
+        session.prompt_tokens = figures.prompt_tokens or 0
+        session.slot = plan.slot
+        self.store.touch(session)
+        if plan.slot is not None:
+            held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
+            self.pool.record_tokens(plan.slot, session.id, held)
+        self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
+            sum(1 for e in self.pool.entries if e.occupant is not None))
+
+    async def _decide(self, client: ClientRequest, namespace: str,
+                      identity: ExplicitIdentity | None) -> Decision:
+        body = client.body
+        messages: Sequence[Mapping[str, Any]] = body.get("messages") or []
+        digests = [digest(m) for m in messages]
+        chain = await self._chain(client, messages)
+        tier: Tier
+        if identity is not None:
+            tier, candidates = "explicit", self.store.with_key(namespace, identity.key)
+        else:
+            candidates = self._nominated(namespace, chain, digests, body.get("prompt"))
+            tier = "implicit" if candidates else "none"
+        best_decline: tuple[Session, Verdict] | None = None
+        for candidate in candidates:
+            if candidate.committed is None:
+                continue
+            verdict = decide(candidate.committed, body, digests)
+            if verdict.resumable:
+                return self._resume(candidate, tier, verdict, chain)
+            if best_decline is None or (verdict.index or 0) > (best_decline[1].index or 0):
+                best_decline = (candidate, verdict)
+        if best_decline is not None and tier == "explicit" and (best_decline[1].index or 0) >= 1:
+            return self._rewind(*best_decline, tier, chain)
+        session = self._new(namespace, identity, client, tier)
+        if best_decline is None:
+            session.last_decision, session.last_reason = "new", "no candidate"
+            return Decision(tier, "new", session, None, chain)
+        declined, verdict = best_decline
+        session.last_decision = "declined"
+        session.last_reason = f"declined {declined.id}: {verdict.reason()}"
+        return Decision(tier, "new", session, verdict, chain)
+
+    async def _chain(self, client: ClientRequest, messages: Sequence[Mapping[str, Any]]
+                     ) -> Chain | None:
+        if self.fingerprinter is None:
+            return None
+        if client.endpoint == "chat":
+            return await self.fingerprinter.chain_of_messages(messages)
+        prompt = client.body.get("prompt")
+        return await self.fingerprinter.chain_of_prompt(prompt) if isinstance(prompt,
+                                                                              str) else None
+
+    def _nominated(self, namespace: str, chain: Chain | None, digests: Sequence[bytes],
+                   prompt: object) -> list[Session]:
+        """Keyless candidates: first those whose committed history the request repeats
+        byte for byte as its prefix (longest first; exact bytes need no bar), then those
+        its fingerprint chain nominates (at least NOMINATION_BAR shared segments)."""
+        keyless = [s for s in self.store.keyless(namespace) if s.committed is not None]
+        exact = [s for s in keyless if _is_prefix_of(s, digests, prompt)]
+        exact.sort(key=lambda s: -len(s.committed.digests) if s.committed else 0)
+        if chain is None:
+            return exact
+        fuzzy = [s for s in keyless if s not in exact and s.chain is not None
+                 and nominates(chain, s.chain, NOMINATION_BAR)]
+        fuzzy.sort(key=lambda s: -shared_leading(chain, s.chain) if s.chain else 0)
+        return exact + fuzzy
+
+    def _resume(self, session: Session, tier: Tier, verdict: Verdict,
+                chain: Chain | None) -> Decision:
+        session.last_decision = "resumed"
+        session.last_reason = verdict.reason()
+        self.store.touch(session)
+        return Decision(tier, "resumed", session, verdict, chain)
+
+    def _rewind(self, session: Session, verdict: Verdict, tier: Tier,
+                chain: Chain | None) -> Decision:
+        session.last_decision = "rewound"
+        session.last_reason = f"{verdict.reason()}; the engine reuses the shared prefix"
+        self.store.touch(session)
+        return Decision(tier, "rewound", session, verdict, chain)
+
+    def _new(self, namespace: str, identity: ExplicitIdentity | None, client: ClientRequest,
+             tier: Tier) -> Session:
+        kind = self._kind_of_new(namespace, identity, client)
+        key = identity.key if identity else None
+        parent = identity.parent if identity else None
+        return self.store.create(namespace, key, kind, parent)
+
+    def _kind_of_new(self, namespace: str, identity: ExplicitIdentity | None,
+                     client: ClientRequest) -> Kind:
+        """A side history never evicts a main one while a cheaper slot exists: sub-agents,
+        a second history under a key that has one (title requests), raw prompts."""
+        if client.endpoint != "chat" or (identity is not None and identity.parent):
+            return "side"
+        if identity is not None and any(s.kind == "main" and s.committed is not None
+                                        for s in self.store.with_key(namespace, identity.key)):
+            return "side"
+        return "main"
+
+    def _observe(self, decision: Decision, upstream: str) -> None:
+        outcome = decision.outcome
+        label = "declined" if outcome == "new" and decision.verdict is not None else outcome
+        self.metrics.affinity_decisions.labels(decision.tier, label).inc()
+        if decision.verdict is not None and not decision.verdict.resumable:
+            self.metrics.affinity_declines.labels(decision.verdict.cause).inc()
+        log_event(self.log, logging.INFO, "affinity", tier=decision.tier, decision=label,
+                  session=decision.session.id, key=decision.session.key,
+                  kind=decision.session.kind, reason=decision.session.last_reason,
+                  upstream=upstream)
+
+
+def _is_prefix_of(session: Session, digests: Sequence[bytes], prompt: object) -> bool:
+    committed = session.committed
+    if committed is None:
+        return False
+    if committed.prompt is not None:
+        return isinstance(prompt, str) and prompt.startswith(committed.prompt)
+    n = len(committed.digests)
+    return 0 < n <= len(digests) and tuple(digests[:n]) == committed.digests

@@ -1,0 +1,223 @@
+"""Bytes decide: does an incoming history extend a session's committed history? (sans-IO)
+
+A session's committed history is what the proxy forwarded for its last completed request:
+the messages and the request fields that shape the rendered prompt. It ends where that
+prompt ended (before the generated tokens). An incoming request *extends* it when its
+first ``n`` messages equal the ``n`` committed ones exactly and it adds at least one; an
+identical resend is reported as such. Anything else diverges, and the verdict names where
+and, as far as it can tell, why (the cause classes are bounded: they are metric labels).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import blake3
+
+# Request fields that change the prompt a chat template renders (tools go into the system
+# turn, kwargs switch template branches) or the model that holds the cache.
+SHAPE_FIELDS = ("model", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                "reasoning_effort", "reasoning_format", "functions")
+
+Cause = Literal["reasoning_stripped", "tool_result_trimmed", "tool_args_reserialized",
+                "window_moved", "system_changed", "tools_changed", "edited", "new_turn_only",
+                "shorter", "none"]
+CAUSES: tuple[Cause, ...] = ("reasoning_stripped", "tool_result_trimmed",
+                             "tool_args_reserialized", "window_moved", "system_changed",
+                             "tools_changed", "edited", "new_turn_only", "shorter", "none")
+
+
+def canonical(value: Any) -> str:
+    """Canonical JSON: sorted keys, no spaces. ``true``, ``1`` and ``1.0`` stay distinct."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest(value: Any) -> bytes:
+    return blake3.blake3(canonical(value).encode()).digest(length=16)
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The part of a forwarded request that the engine's cache now holds."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    digests: tuple[bytes, ...]
+    shape: Shape
+    prompt: str | None = None  # /v1/completions: the raw prompt text
+
+    @classmethod
+    def of_chat(cls, body: Mapping[str, Any]) -> Committed:
+        messages = tuple(body.get("messages") or ())
+        return cls(messages, tuple(digest(m) for m in messages), shape_digest(body))
+
+    @classmethod
+    def of_completion(cls, body: Mapping[str, Any]) -> Committed:
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else canonical(prompt)
+        return cls((), (), shape_digest(body), text)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    extends: bool
+    identical: bool = False
+    index: int | None = None  # first differing message
+    char: int | None = None  # first differing character of that message's canonical JSON
+    field: str | None = None
+    cause: Cause = "none"
+    committed_messages: int = 0
+
+    @property
+    def resumable(self) -> bool:
+        return self.extends or self.identical
+
+    def reason(self) -> str:
+        if self.extends:
+            return "extends committed history"
+        if self.identical:
+            return "identical to committed history"
+        if self.index is None:
+            return f"request fields changed ({self.field}; {self.cause})"
+        where = f"message {self.index}"
+        if self.char is not None:
+            where += f", char {self.char}"
+        return (f"history diverged at {where} (of committed {self.committed_messages} "
+                f"messages; {self.field or 'message'}: {self.cause})")
+
+
+Shape = tuple[tuple[str, bytes], ...]
+
+
+def shape_digest(body: Mapping[str, Any]) -> Shape:
+    """Per shaping field present in the body, its digest (absent and null are the same)."""
+    return tuple((name, digest(body[name])) for name in SHAPE_FIELDS
+                 if body.get(name) is not None)
+
+
+def decide(committed: Committed, body: Mapping[str, Any],
+           incoming_digests: Sequence[bytes] | None = None) -> Verdict:
+    """Compare an incoming body with a committed history."""
+    shape = shape_digest(body)
+    if shape != committed.shape:
+        field = _changed_field(committed.shape, shape)
+        return Verdict(False, field=field, committed_messages=len(committed.messages),
+                       cause="tools_changed" if field in ("tools", "functions") else "edited")
+    if committed.prompt is not None:
+        return _decide_prompt(committed.prompt, body.get("prompt"))
+    incoming = list(body.get("messages") or ())
+    digests = incoming_digests if incoming_digests is not None else [digest(m) for m in incoming]
+    n = len(committed.digests)
+    for index in range(min(n, len(incoming))):
+        if digests[index] != committed.digests[index]:
+            return _diverged(committed, incoming, index)
+    if len(incoming) < n:
+        return Verdict(False, index=len(incoming), cause="shorter", committed_messages=n)
+    if len(incoming) == n:
+        return Verdict(False, identical=True, committed_messages=n)
+    return Verdict(True, committed_messages=n)
+
+
+def _decide_prompt(committed: str, prompt: object) -> Verdict:
+    text = prompt if isinstance(prompt, str) else canonical(prompt)
+    if text == committed:
+        return Verdict(False, identical=True)
+    if text.startswith(committed):
+        return Verdict(True)
+    return Verdict(False, index=0, char=_first_difference(committed, text), cause="edited")
+
+
+def _diverged(committed: Committed, incoming: Sequence[Mapping[str, Any]], index: int) -> Verdict:
+    old, new = committed.messages[index], incoming[index]
+    field = _first_changed_key(old, new)
+    char = _first_difference(canonical(old), canonical(new))
+    cause = classify(committed.messages, incoming, index, field)
+    return Verdict(False, index=index, char=char, field=field, cause=cause,
+                   committed_messages=len(committed.messages))
+
+
+def classify(committed: Sequence[Mapping[str, Any]], incoming: Sequence[Mapping[str, Any]],
+             index: int, field: str | None) -> Cause:
+    """Why message ``index`` differs: the rewrite classes real agent clients apply."""
+    old, new = committed[index], incoming[index]
+    if _is_window_move(committed, incoming, index):
+        return "window_moved"
+    role = old.get("role")
+    if role in ("system", "developer") and new.get("role") == role:
+        return "system_changed"
+    if role == "assistant" and new.get("role") == "assistant":
+        if _reasoning_stripped(old, new):
+            return "reasoning_stripped"
+        if field == "tool_calls" and _same_tool_calls_modulo_json(old, new):
+            return "tool_args_reserialized"
+    if role == "tool" and new.get("role") == "tool" and _tool_result_shortened(old, new):
+        return "tool_result_trimmed"
+    return "edited"
+
+
+def _is_window_move(committed: Sequence[Mapping[str, Any]],
+                    incoming: Sequence[Mapping[str, Any]], index: int) -> bool:
+    """The client dropped early messages: the one here appears later in the committed list."""
+    new = canonical(incoming[index])
+    return any(canonical(m) == new for m in committed[index + 1:])
+
+
+def _reasoning_stripped(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    if old.get("reasoning_content") and not new.get("reasoning_content"):
+        return _visible(old) == _visible(new)
+    return _visible(old) == _visible(new) and old.get("content") != new.get("content")
+
+
+def _visible(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    text = content if isinstance(content, str) else canonical(content)
+    while "<think>" in text and "</think>" in text:
+        start, end = text.index("<think>"), text.index("</think>") + len("</think>")
+        if end <= start:
+            break
+        text = text[:start] + text[end:]
+    return text.strip()
+
+
+def _same_tool_calls_modulo_json(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    def normal(message: Mapping[str, Any]) -> Any:
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = dict(call.get("function") or {})
+            try:
+                function["arguments"] = json.loads(function.get("arguments") or "null")
+            except (TypeError, ValueError):
+                return None
+            calls.append({**call, "function": function})
+        return canonical(calls)
+
+    normalized = normal(old)
+    return normalized is not None and normalized == normal(new)
+
+
+def _tool_result_shortened(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    if old.get("tool_call_id") != new.get("tool_call_id"):
+        return False
+    before, after = _visible(old), _visible(new)
+    return len(after) < len(before)
+
+
+def _first_changed_key(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    for key in sorted(set(old) | set(new)):
+        if canonical(old.get(key)) != canonical(new.get(key)):
+            return key
+    return None
+
+
+def _changed_field(old: Shape, new: Shape) -> str:
+    before, after = dict(old), dict(new)
+    return next(name for name in SHAPE_FIELDS if before.get(name) != after.get(name))
+
+
+def _first_difference(a: str, b: str) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))

@@ -1,0 +1,165 @@
+"""Placement inside one engine: which slot a request runs in, one request per slot at a time.
+
+llama-server picks slots itself unless told (``id_slot``); pinning is only safe when the
+proxy never sends a request to a busy slot (research note §3: a pinned busy slot can have
+its sequence overwritten). So each slot is leased to one request at a time; a request
+whose slot is busy, or that finds every slot busy, waits (the relay keeps sending
+heartbeats) up to ``--queue-timeout``, then gets a 503 with Retry-After.
+
+Victims, when a slot must change hands: an empty slot first; then a slot holding a side
+history (a title request, a sub-agent, a one-off); then the main history whose loss costs
+least: its size discounted by how long it has been idle (a 30k-token session used a minute
+ago outweighs a 500-token one used just now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from proxy.errors import QueueTimeoutError
+from proxy.sessions import Kind
+
+# Idle seconds that halve a resident session's worth: recency matters, size matters more.
+IDLE_HALF_LIFE_S = 120.0
+SIDE_DISCOUNT = 0.1
+
+
+@dataclass(slots=True)
+class SlotEntry:
+    index: int
+    occupant: str | None = None  # session id whose history the slot holds
+    kind: Kind | None = None
+    tokens: int = 0
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    def worth(self, now: float) -> float:
+        """What keeping this slot's history is worth (tokens not re-prefilled, discounted)."""
+        idle = max(0.0, now - self.last_used)
+        value = self.tokens * IDLE_HALF_LIFE_S / (IDLE_HALF_LIFE_S + idle)
+        return value * (SIDE_DISCOUNT if self.kind == "side" else 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    session_id: str
+    kind: Kind
+    preferred: int | None  # the slot that holds this session's history, if any
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    slot: int
+    eviction: Eviction | None  # the history the slot held for another session, if any
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    slot: int
+    session_id: str
+    kind: Kind | None
+    tokens: int
+    reason: str  # empty | side | worth
+
+
+Evictor = Callable[[Eviction], Awaitable[None]]
+
+
+class SlotPool:
+    def __init__(self, n_slots: int, *, on_evict: Evictor | None = None) -> None:
+        self.entries = [SlotEntry(i) for i in range(n_slots)]
+        self._changed = asyncio.Condition()
+        self._on_evict = on_evict
+        self.waiting = 0
+        self._known: set[int] = set()  # slots whose contents the proxy put there
+
+    def holder_of(self, session_id: str) -> int | None:
+        return next((e.index for e in self.entries if e.occupant == session_id), None)
+
+    def forget(self, session_id: str) -> None:
+        for entry in self.entries:
+            if entry.occupant == session_id and not entry.busy:
+                entry.occupant, entry.kind, entry.tokens = None, None, 0
+
+    def reset(self) -> None:
+        """The engine restarted: no slot holds anything the proxy knows of."""
+        for entry in self.entries:
+            entry.occupant, entry.kind, entry.tokens = None, None, 0
+        self._known.clear()
+
+    def known(self, slot: int) -> bool:
+        return slot in self._known
+
+    def mark_known(self, slot: int) -> None:
+        self._known.add(slot)
+
+    @asynccontextmanager
+    async def lease(self, want: Want, *, timeout_s: float,
+                    on_wait: Callable[[str], None] | None = None) -> AsyncIterator[Lease]:
+        entry, eviction = await self._acquire(want, timeout_s, on_wait)
+        try:
+            if eviction is not None and self._on_evict is not None:
+                await self._on_evict(eviction)
+            yield Lease(entry.index, eviction)
+        finally:
+            entry.busy = False
+            entry.last_used = time.monotonic()
+            async with self._changed:
+                self._changed.notify_all()
+
+    def record_tokens(self, slot: int, session_id: str, tokens: int) -> None:
+        entry = self.entries[slot]
+        if entry.occupant == session_id:
+            entry.tokens = tokens
+
+    async def _acquire(self, want: Want, timeout_s: float,
+                       on_wait: Callable[[str], None] | None) -> tuple[SlotEntry, Eviction | None]:
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                self.waiting += 1
+                try:
+                    while (entry := self._choose(want)) is None:
+                        if on_wait is not None:
+                            on_wait(self._wait_text(want))
+                        await self._changed.wait()
+                finally:
+                    self.waiting -= 1
+                return entry, self._take(entry, want)
+        except TimeoutError:
+            raise QueueTimeoutError(
+                f"no engine slot became free within {timeout_s:.0f} s (--queue-timeout)",
+                retry_after_s=max(1, int(timeout_s / 10))) from None
+
+    def _choose(self, want: Want) -> SlotEntry | None:
+        if want.preferred is not None:
+            own = self.entries[want.preferred]
+            if own.occupant == want.session_id:
+                return None if own.busy else own
+        idle = [e for e in self.entries if not e.busy]
+        if not idle:
+            return None
+        empty = [e for e in idle if e.occupant is None]
+        if empty:
+            return empty[0]
+        now = time.monotonic()
+        return min(idle, key=lambda e: (e.worth(now), e.last_used))
+
+    def _take(self, entry: SlotEntry, want: Want) -> Eviction | None:
+        eviction = None
+        if entry.occupant is not None and entry.occupant != want.session_id:
+            reason = "side" if entry.kind == "side" else "worth"
+            eviction = Eviction(entry.index, entry.occupant, entry.kind, entry.tokens, reason)
+        if entry.occupant != want.session_id:
+            entry.tokens = 0
+        entry.occupant, entry.kind, entry.busy = want.session_id, want.kind, True
+        return eviction
+
+    def _wait_text(self, want: Want) -> str:
+        if want.preferred is not None and self.entries[want.preferred].occupant == want.session_id:
+            return f"queued for slot {want.preferred}"
+        return f"queued: all {len(self.entries)} slots busy"

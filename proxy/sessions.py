@@ -1,0 +1,125 @@
+"""Sessions: one committed history each, owned by a namespace, bounded in number and age.
+
+A session is one *history*. An explicit session key may carry several (OpenCode sends its
+title request under the main thread's id, with another system prompt): the key nominates
+them all and bytes pick the one a request continues. Sessions without a key are found by
+their fingerprint chain. Nothing here is shared across namespaces.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fingerprint import Chain
+from proxy.history import Committed
+
+Kind = Literal["main", "side"]
+TURN_HISTORY = 64  # per-session turn figures kept for the /sessions view and status page
+
+
+@dataclass(slots=True)
+class TurnFigures:
+    at: float
+    decision: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    ttft_ms: float | None
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    namespace: str
+    key: str | None  # the explicit key, or None for a session found by fingerprint
+    kind: Kind
+    parent: str | None = None
+    committed: Committed | None = None
+    chain: Chain | None = None
+    prompt_tokens: int = 0  # tokens of the committed prompt, as the engine counted them
+    slot: int | None = None  # the engine slot believed to hold this history
+    backend: str | None = None
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    last_decision: str = "new"
+    last_reason: str = ""
+    turns: deque[TurnFigures] = field(default_factory=lambda: deque(maxlen=TURN_HISTORY))
+    # What the engine produced for this session, for history repair: reasoning and
+    # tool-call argument text keyed by what the client sends back.
+    outputs: dict[str, Any] = field(default_factory=dict)
+    pinned: dict[str, Any] = field(default_factory=dict)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "key": self.key, "kind": self.kind, "parent": self.parent,
+            "slot": self.slot, "backend": self.backend,
+            "committed_messages": len(self.committed.messages) if self.committed else 0,
+            "committed_tokens": self.prompt_tokens,
+            "last_decision": self.last_decision, "last_reason": self.last_reason,
+            "last_used": round(self.last_used, 3),
+            "turns": [{"at": round(t.at, 3), "decision": t.decision,
+                       "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                       "ttft_ms": t.ttft_ms} for t in self.turns],
+        }
+
+
+class SessionStore:
+    """Bounded: the least recently used session goes first once ``max_sessions`` is reached,
+    and sessions idle for ``ttl_s`` are dropped."""
+
+    def __init__(self, max_sessions: int = 4096, ttl_s: float = 24 * 3600) -> None:
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._max = max_sessions
+        self._ttl_s = ttl_s
+        self._ids = itertools.count(1)
+
+    def create(self, namespace: str, key: str | None, kind: Kind,
+               parent: str | None = None) -> Session:
+        self._expire()
+        session = Session(f"s{next(self._ids)}", namespace, key, kind, parent)
+        self._sessions[session.id] = session
+        while len(self._sessions) > self._max:
+            self._sessions.popitem(last=False)
+        return session
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def touch(self, session: Session) -> None:
+        session.last_used = time.time()
+        if session.id in self._sessions:
+            self._sessions.move_to_end(session.id)
+
+    def with_key(self, namespace: str, key: str) -> list[Session]:
+        """Every history under one explicit key, most recently used first."""
+        return [s for s in self._newest_first() if s.namespace == namespace and s.key == key]
+
+    def keyless(self, namespace: str) -> list[Session]:
+        return [s for s in self._newest_first() if s.namespace == namespace and s.key is None]
+
+    def namespaces(self) -> dict[str, list[Session]]:
+        grouped: dict[str, list[Session]] = {}
+        for session in self._newest_first():
+            grouped.setdefault(session.namespace, []).append(session)
+        return grouped
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _newest_first(self) -> list[Session]:
+        return list(reversed(self._sessions.values()))
+
+    def _expire(self) -> None:
+        cutoff = time.time() - self._ttl_s
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if oldest.last_used >= cutoff:
+                break
+            self._sessions.popitem(last=False)

@@ -1,0 +1,141 @@
+"""Session affinity in process, against the fake engine (which honours id_slot and keeps a
+toy prefix cache per slot). Cache figures against the real engine are in tests/e2e."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import running_proxy
+
+pytestmark = pytest.mark.anyio
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 10}
+
+
+def conversation(name: str, turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{name} asks question {turn} " * 5})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"{name} answer {turn}"})
+    return messages
+
+
+async def ask(client: httpx.AsyncClient, messages: list[dict[str, Any]],
+              headers: dict[str, str] | None = None, **fields: Any) -> dict[str, Any]:
+    response = await client.post("/v1/chat/completions", headers=headers or {},
+                                 json={"messages": messages, "max_tokens": 2, **fields})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def cached(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_interleaved_sessions_each_keep_their_slot() -> None:
+    """A and B alternate on a 2-slot engine: each turn after the first is a cache hit on
+    the slot its session holds."""
+    previous: dict[str, int] = {}
+    async with running_proxy() as (client, engine):
+        for turn in range(1, 4):
+            for name in ("A", "B"):
+                body = await ask(client, conversation(name, turn), {"x-session-id": name})
+                if turn > 1:  # all of the previous prompt came from the cache
+                    assert cached(body) >= previous[name], (name, turn)
+                previous[name] = body["usage"]["prompt_tokens"]
+        sessions = (await client.get("/sessions")).json()
+    slots = [r["id_slot"] for r in engine.requests]
+    assert slots[0::2] == [slots[0]] * 3
+    assert slots[1::2] == [slots[1]] * 3
+    assert slots[0] != slots[1]
+    anon = sessions["namespaces"]["anon"]
+    assert {s["key"]: s["last_decision"] for s in anon} == {"A": "resumed", "B": "resumed"}
+
+
+async def test_a_title_request_under_the_same_key_is_a_side_history() -> None:
+    """OpenCode's title request (same session id, other system prompt) does not displace
+    the main thread: it becomes a second, side history under the key."""
+    title = [{"role": "system", "content": "You are a title generator."},
+             {"role": "user", "content": "Make a title"}]
+    async with running_proxy() as (client, engine):
+        await ask(client, conversation("A", 1), {"x-session-id": "A"})
+        await ask(client, title, {"x-session-id": "A"})
+        again = await ask(client, conversation("A", 2), {"x-session-id": "A"})
+        sessions = (await client.get("/sessions")).json()["namespaces"]["anon"]
+    assert cached(again) > 0
+    kinds = sorted((s["kind"], s["last_decision"]) for s in sessions)
+    assert kinds == [("main", "resumed"), ("side", "declined")]
+    assert engine.requests[0]["id_slot"] == engine.requests[2]["id_slot"]
+    assert engine.requests[1]["id_slot"] != engine.requests[0]["id_slot"]
+
+
+async def test_an_edited_last_message_rewinds_the_same_session() -> None:
+    """Same key, last user message edited: the session is rewound on its slot, so the
+    engine still reuses everything before the edit."""
+    async with running_proxy() as (client, engine):
+        first = conversation("A", 2)
+        await ask(client, first, {"x-session-id": "A"})
+        edited = [*first[:-1], {"role": "user", "content": "an edited question"}]
+        body = await ask(client, edited, {"x-session-id": "A"})
+        session = (await client.get("/sessions")).json()["namespaces"]["anon"][0]
+    assert session["last_decision"] == "rewound"
+    assert "diverged at message 3" in session["last_reason"]
+    assert engine.requests[0]["id_slot"] == engine.requests[1]["id_slot"]
+    assert cached(body) > 0
+
+
+async def test_keyless_conversations_resume_by_their_bytes() -> None:
+    """No key: a request that repeats a session's committed history as its prefix resumes
+    it; a different conversation does not."""
+    async with running_proxy() as (client, engine):
+        await ask(client, conversation("A", 1))
+        await ask(client, conversation("B", 1))
+        body = await ask(client, conversation("A", 2))
+    assert engine.requests[2]["id_slot"] == engine.requests[0]["id_slot"]
+    assert cached(body) > 0
+
+
+async def test_tenants_never_share_a_session_or_a_cached_prefix() -> None:
+    """Same session key, two bearer tokens: two sessions. On a 1-slot engine the second
+    tenant's request takes the slot with cache_prompt off, so it cannot learn, from its
+    cached tokens, anything of what the first tenant's history holds."""
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1))
+    history = conversation("A", 2)
+    async with running_proxy(engine) as (client, _):
+        await ask(client, history, {"x-session-id": "A", "authorization": "Bearer one"})
+        other = await ask(client, history, {"x-session-id": "A", "authorization": "Bearer two"})
+        sessions = (await client.get("/sessions")).json()["namespaces"]
+    assert cached(other) == 0
+    assert engine.requests[1]["cache_prompt"] is False
+    assert len(sessions) == 2
+    assert all(len(group) == 1 for group in sessions.values())
+    assert "Bearer" not in json.dumps(sessions)
+
+
+async def test_the_rollback_switch_leaves_a_plain_pass_through() -> None:
+    """PREFIXPIN_AFFINITY=0: no id_slot, no sessions; the engine chooses."""
+    async with running_proxy(affinity=False) as (client, engine):
+        await ask(client, conversation("A", 1), {"x-session-id": "A"})
+        sessions = (await client.get("/sessions")).json()
+    assert "id_slot" not in engine.requests[0]
+    assert sessions["affinity"] is False
+    assert sessions["namespaces"] == {}
+
+
+async def test_decisions_are_counted_by_tier_and_outcome() -> None:
+    """/metrics counts affinity decisions and declines by cause."""
+    async with running_proxy() as (client, _):
+        await ask(client, conversation("A", 1), {"x-session-id": "A"})
+        await ask(client, conversation("A", 2), {"x-session-id": "A"})
+        await ask(client, [SYSTEM, {"role": "user", "content": "other"}], {"x-session-id": "A"})
+        text = (await client.get("/metrics")).text
+    assert 'prefixpin_affinity_decisions_total{outcome="new",tier="explicit"} 1.0' in text
+    assert 'prefixpin_affinity_decisions_total{outcome="resumed",tier="explicit"} 1.0' in text
+    assert 'prefixpin_affinity_declines_total{cause="edited"} 1.0' in text

@@ -1,0 +1,133 @@
+"""Bytes decide: extension, identity, divergence and its attributed cause."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.history import Committed, canonical, decide
+
+SYSTEM = {"role": "system", "content": "You are a coding agent."}
+USER = {"role": "user", "content": "Fix the bug in parse.py"}
+CALL = {"role": "assistant", "content": None, "reasoning_content": "Look at the file first.",
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "read", "arguments": '{"path": "parse.py"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "def parse(x):\n" + "    pass\n" * 80}
+REPLY = {"role": "assistant", "content": "Fixed."}
+HISTORY = [SYSTEM, USER, CALL, RESULT]
+
+
+def body(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    return {"messages": messages, **fields}
+
+
+COMMITTED = Committed.of_chat(body(HISTORY))
+
+
+def test_one_more_message_extends() -> None:
+    """The committed messages followed by a new one: an extension."""
+    verdict = decide(COMMITTED, body([*HISTORY, REPLY]))
+    assert verdict.extends
+    assert verdict.resumable
+    assert verdict.reason() == "extends committed history"
+
+
+def test_the_commit_point_is_the_prompt_not_the_reply() -> None:
+    """The committed history holds exactly the forwarded messages; the model's reply is
+    the first message of the next request's new suffix, never part of the commit."""
+    assert len(COMMITTED.messages) == len(HISTORY)
+    assert decide(COMMITTED, body([*HISTORY, REPLY, {"role": "user", "content": "ok"}])).extends
+
+
+def test_the_same_messages_again_are_an_identical_resend() -> None:
+    """A resend repeats the history: resumable, but not an extension."""
+    verdict = decide(COMMITTED, body(HISTORY))
+    assert verdict.identical
+    assert not verdict.extends
+    assert verdict.resumable
+
+
+def test_one_character_off_at_the_boundary_declines() -> None:
+    """A change in the last committed message, even one character, is a divergence there."""
+    edited = copy.deepcopy(HISTORY)
+    edited[-1]["content"] += "!"
+    verdict = decide(COMMITTED, body([*edited, REPLY]))
+    assert not verdict.resumable
+    assert verdict.index == 3
+    assert verdict.reason().startswith("history diverged at message 3, char ")
+
+
+@pytest.mark.parametrize(("index", "change", "cause"), [
+    (2, lambda m: m.pop("reasoning_content"), "reasoning_stripped"),
+    (2, lambda m: m["tool_calls"][0]["function"].update(arguments='{"path":"parse.py"}'),
+     "tool_args_reserialized"),
+    (3, lambda m: m.update(content=m["content"][:400]), "tool_result_trimmed"),
+    (3, lambda m: m.update(content="[Old tool result content cleared]"), "tool_result_trimmed"),
+    (0, lambda m: m.update(content=m["content"] + " Today is 2026-11-29."), "system_changed"),
+    (1, lambda m: m.update(content="Fix the bug in lex.py"), "edited"),
+])
+def test_divergences_name_their_cause(index: int, change: Any, cause: str) -> None:
+    """Each rewrite class real agents apply is attributed to its cause."""
+    rewritten = copy.deepcopy(HISTORY)
+    change(rewritten[index])
+    verdict = decide(COMMITTED, body([*rewritten, REPLY]))
+    assert (verdict.index, verdict.cause) == (index, cause)
+
+
+def test_a_moved_window_is_recognised() -> None:
+    """The client dropped the oldest messages: the first one now appears later."""
+    verdict = decide(COMMITTED, body([SYSTEM, CALL, RESULT, REPLY]))
+    assert (verdict.index, verdict.cause) == (1, "window_moved")
+
+
+def test_reordered_tools_are_a_change_of_request_fields() -> None:
+    """Tools are part of the rendered prompt: a different tool list declines."""
+    tools = [{"type": "function", "function": {"name": "read"}},
+             {"type": "function", "function": {"name": "edit"}}]
+    committed = Committed.of_chat(body(HISTORY, tools=tools))
+    verdict = decide(committed, body([*HISTORY, REPLY], tools=tools[::-1]))
+    assert not verdict.resumable
+    assert (verdict.field, verdict.cause) == ("tools", "tools_changed")
+    assert decide(committed, body([*HISTORY, REPLY], tools=tools)).extends
+
+
+def test_a_shorter_history_never_resumes() -> None:
+    """Fewer messages than committed: not an extension, and the reason says so."""
+    verdict = decide(COMMITTED, body(HISTORY[:2]))
+    assert not verdict.resumable
+    assert verdict.cause == "shorter"
+    assert "of committed 4 messages" in verdict.reason()
+
+
+def test_raw_prompts_extend_by_prefix() -> None:
+    """/v1/completions: a longer prompt with the committed one as prefix extends."""
+    committed = Committed.of_completion({"prompt": "Once upon a time"})
+    assert decide(committed, {"prompt": "Once upon a time there"}).extends
+    assert decide(committed, {"prompt": "Once upon a time"}).identical
+    assert decide(committed, {"prompt": "Once upon a tide"}).char == 14
+
+
+def test_json_values_that_python_equates_stay_distinct() -> None:
+    """true, 1 and 1.0 render differently in a template: canonical JSON keeps them apart."""
+    assert len({canonical(True), canonical(1), canonical(1.0)}) == 3
+
+
+@given(st.lists(st.text(max_size=20), min_size=1, max_size=6), st.integers(0, 5),
+       st.text(min_size=1, max_size=5))
+def test_divergence_index_is_within_both_histories(contents: list[str], at: int,
+                                                   extra: str) -> None:
+    """The reported index never exceeds either history (no "message 5 of 4")."""
+    messages = [{"role": "user", "content": c} for c in contents]
+    committed = Committed.of_chat(body(messages))
+    changed = copy.deepcopy(messages)
+    at = at % len(changed)
+    changed[at]["content"] += extra
+    verdict = decide(committed, body(changed))
+    assert not verdict.resumable
+    assert verdict.index is not None
+    assert 0 <= verdict.index <= min(len(messages), len(changed)) - 1
+    assert verdict.committed_messages == len(messages)
