@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in SWITCHES.items():
         serve.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                            help=f"{text} on/off (env PREFIXPIN_{name.upper()}=0 turns it off)")
+    from proxy.doctor import add_arguments as add_doctor_arguments
+
+    add_doctor_arguments(commands.add_parser(
+        "doctor", help="check a llama-server for settings that defeat prompt caching"))
     return parser
 
 
@@ -58,6 +62,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from proxy.doctor import main_from_args
+
+        return main_from_args(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

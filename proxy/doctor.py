@@ -1,0 +1,943 @@
+"""``prefixpin doctor``: which llama-server settings defeat prompt caching, and the fix.
+
+What it reads, strongest evidence first:
+
+1. The server's own command line and ``LLAMA_ARG_*`` environment, when the upstream is a
+   loopback address and ``/proc`` shows which process listens on its port (same host, and
+   permission to read it); the binary's ``--help`` then gives this build's defaults.
+2. HTTP: ``/health``, ``/props``, ``/slots``, ``/metrics``, ``/v1/models``, and a
+   ``POST /slots/0?action=<invalid>``: without ``--slot-save-path`` it answers 501 before
+   looking at the action; with it, 400 "Invalid action". It never erases anything.
+3. Behaviour: a few tiny completions pinned to the two emptiest idle slots (about 150
+   prompt tokens in all; ``--no-probe`` turns them off). They show whether the build
+   streams ``prompt_progress``, whether a resent prompt is reused (``--no-cache-prompt``),
+   whether starting a request clears the other idle slots (unified KV with idle-slot
+   caching, as ``-np auto`` sets up) and whether such a slot comes back from host RAM,
+   and whether a prompt that shares only a prefix reuses it (sliding-window models without
+   ``--swa-full`` and recurrent models cannot roll back). ``--probe-context-shift`` adds
+   one request that fills a slot to its end, the only way to see context shift over HTTP.
+4. The GGUF metadata, when ``/props.model_path`` is a readable file here: sliding window,
+   recurrent layers, and the KV bytes a full slot takes (to judge ``--cache-ram``).
+
+Collecting is I/O; ``diagnose`` and ``recommend`` are pure functions of what was collected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+
+from proxy.errors import UpstreamUnavailableError
+
+Status = Literal["problem", "warning", "ok", "unknown"]
+
+DEFAULT_UPSTREAM = "http://127.0.0.1:8080"
+DEFAULT_MIN_CTX = 8192
+EXIT_OK, EXIT_PROBLEMS, EXIT_UNREACHABLE = 0, 1, 2
+
+# An action llama-server does not know: it answers 400 "Invalid action" after checking
+# --slot-save-path (501 when missing), and erases, saves or restores nothing.
+SLOT_ACTION_PROBE = "prefixpin-doctor-probe"
+
+# Probe prompt sizes in tokens. The first one is big enough that its KV state (SmolLM2:
+# ~23 KiB a token) exceeds a 1 MiB --cache-ram, small enough to cost nothing on a GPU.
+PROBE_TOKENS, SECOND_TOKENS, EDIT_KEEP, EDIT_TAIL = 64, 16, 32, 8
+CONTEXT_SHIFT_PREDICT = 12
+
+
+# ---------------------------------------------------------------- the llama-server flags
+
+@dataclass(frozen=True, slots=True)
+class FlagSpec:
+    names: tuple[str, ...]
+    kind: Literal["int", "float", "str", "bool", "switch"]
+    env: str | None = None
+    negs: tuple[str, ...] = ()
+
+
+FLAG_SPECS: dict[str, FlagSpec] = {
+    "n_parallel": FlagSpec(("-np", "--parallel"), "int", "LLAMA_ARG_N_PARALLEL"),
+    "kv_unified": FlagSpec(("-kvu", "--kv-unified"), "bool", "LLAMA_ARG_KV_UNIFIED",
+                           ("-no-kvu", "--no-kv-unified")),
+    "cache_ram": FlagSpec(("-cram", "--cache-ram"), "int", "LLAMA_ARG_CACHE_RAM"),
+    "cache_idle_slots": FlagSpec(("--cache-idle-slots",), "bool", "LLAMA_ARG_CACHE_IDLE_SLOTS",
+                                 ("--no-cache-idle-slots",)),
+    "swa_full": FlagSpec(("--swa-full",), "switch", "LLAMA_ARG_SWA_FULL"),
+    "ctx_shift": FlagSpec(("--context-shift",), "bool", "LLAMA_ARG_CONTEXT_SHIFT",
+                          ("--no-context-shift",)),
+    "metrics": FlagSpec(("--metrics",), "switch", "LLAMA_ARG_ENDPOINT_METRICS"),
+    "slot_save_path": FlagSpec(("--slot-save-path",), "str"),
+    "cache_prompt": FlagSpec(("--cache-prompt",), "bool", "LLAMA_ARG_CACHE_PROMPT",
+                             ("--no-cache-prompt",)),
+    "slot_similarity": FlagSpec(("-sps", "--slot-prompt-similarity"), "float"),
+    "endpoint_slots": FlagSpec(("--slots",), "bool", "LLAMA_ARG_ENDPOINT_SLOTS", ("--no-slots",)),
+    "ctx_size": FlagSpec(("-c", "--ctx-size"), "int", "LLAMA_ARG_CTX_SIZE"),
+    "cache_type_k": FlagSpec(("-ctk", "--cache-type-k"), "str", "LLAMA_ARG_CACHE_TYPE_K"),
+    "cache_type_v": FlagSpec(("-ctv", "--cache-type-v"), "str", "LLAMA_ARG_CACHE_TYPE_V"),
+    "ctx_checkpoints": FlagSpec(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "int",
+                                "LLAMA_ARG_CTX_CHECKPOINTS"),
+    "checkpoint_min_step": FlagSpec(("-cms", "--checkpoint-min-step"), "int",
+                                    "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    "model": FlagSpec(("-m", "--model"), "str", "LLAMA_ARG_MODEL"),
+    "host": FlagSpec(("--host",), "str", "LLAMA_ARG_HOST"),
+    "port": FlagSpec(("--port",), "int", "LLAMA_ARG_PORT"),
+}
+TRUTHY, FALSEY = {"on", "enabled", "true", "1"}, {"off", "disabled", "false", "0"}
+
+
+@dataclass(slots=True)
+class ServerFlags:
+    """Flags of a running llama-server: what was set, and this build's defaults."""
+
+    source: str
+    explicit: dict[str, str | bool] = field(default_factory=dict)
+    defaults: dict[str, str] = field(default_factory=dict)
+    known: set[str] = field(default_factory=set)  # flags this build's --help lists
+
+    def value(self, key: str) -> str | bool | None:
+        if key in self.explicit:
+            return self.explicit[key]
+        return self.defaults.get(key)
+
+    def is_set(self, key: str) -> bool:
+        return key in self.explicit
+
+    def boolean(self, key: str) -> bool | None:
+        raw = self.value(key)
+        if isinstance(raw, bool) or raw is None:
+            return raw
+        text = raw.strip().lower()
+        return True if text in TRUTHY else False if text in FALSEY else None
+
+    def number(self, key: str) -> float | None:
+        raw = self.value(key)
+        if raw is None or isinstance(raw, bool):
+            return None
+        try:
+            return float(raw.split(",")[0])
+        except ValueError:
+            return None
+
+
+def parse_llama_args(argv: Sequence[str], env: Mapping[str, str], source: str) -> ServerFlags:
+    """The flags of ``argv`` (binary first) over the ``LLAMA_ARG_*`` variables, as
+    llama-server applies them: the environment first, the command line overrides."""
+    flags = ServerFlags(source)
+    for key, spec in FLAG_SPECS.items():
+        if spec.env is None:
+            continue
+        if spec.negs and spec.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_") in env:
+            flags.explicit[key] = False
+        elif spec.env in env:
+            raw = env[spec.env]
+            flags.explicit[key] = (raw.lower() in TRUTHY) if spec.kind == "switch" else raw
+    by_name = {name: (key, True) for key, spec in FLAG_SPECS.items() for name in spec.names}
+    by_name |= {name: (key, False) for key, spec in FLAG_SPECS.items() for name in spec.negs}
+    args = list(argv[1:])
+    i = 0
+    while i < len(args):
+        name, _, inline = args[i].partition("=")
+        i += 1
+        if name not in by_name:
+            continue
+        key, positive = by_name[name]
+        kind = FLAG_SPECS[key].kind
+        if kind in ("bool", "switch"):
+            flags.explicit[key] = positive
+        elif inline:
+            flags.explicit[key] = inline
+        elif i < len(args):
+            flags.explicit[key] = args[i]
+            i += 1
+    return flags
+
+
+_DEFAULT = re.compile(r"\(default:\s*([^)\s,]+)")
+
+
+def parse_help_defaults(help_text: str) -> tuple[dict[str, str], set[str]]:
+    """This build's default for each flag we care about, from ``llama-server --help``,
+    and which of those flags the build knows at all."""
+    blocks: list[str] = []
+    for line in help_text.splitlines():
+        if line.startswith("-"):
+            blocks.append(line)
+        elif blocks and line.startswith(" "):
+            blocks[-1] += " " + line.strip()
+    defaults: dict[str, str] = {}
+    known: set[str] = set()
+    for block in blocks:
+        head = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", block.split("  ")[0]))
+        for key, spec in FLAG_SPECS.items():
+            if head & set(spec.names):
+                known.add(key)
+                match = _DEFAULT.search(block)
+                if match:
+                    defaults[key] = match.group(1)
+    return defaults, known
+
+
+# ---------------------------------------------------------------- the process on this host
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    return inodes
+
+
+def _pid_owning(inodes: set[str]) -> int | None:
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in wanted:
+                        return int(proc.name)
+    return None
+
+
+def _help_of(executable: str) -> str:
+    try:
+        done = subprocess.run([executable, "--help"], capture_output=True, timeout=15,
+                              stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (done.stdout + done.stderr).decode(errors="replace")
+
+
+def local_server_flags(url: str) -> ServerFlags | None:
+    """The flags of the llama-server process serving ``url``, if it runs on this host and
+    we may read its ``/proc`` entries; None otherwise (remote, container, other user)."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    pid = _pid_owning(_listening_inodes(port))
+    if pid is None:
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    argv = [a for a in argv if a]
+    if not argv or "llama" not in Path(argv[0]).name:
+        return None  # e.g. docker-proxy in front of a container: its flags are not ours
+    env: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"):
+            name, sep, value = item.partition("=")
+            if sep and name.startswith("LLAMA_ARG_"):
+                env[name] = value
+    flags = parse_llama_args(argv, env, f"command line of process {pid}")
+    with contextlib.suppress(OSError):
+        flags.defaults, flags.known = parse_help_defaults(_help_of(os.readlink(f"/proc/{pid}/exe")))
+    return flags
+
+
+# ---------------------------------------------------------------- the model file
+
+# Bytes per element of the KV cache types (block size 32 for the quantized ones).
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32,
+                 "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    architecture: str
+    sliding_window: int  # 0: full attention
+    recurrent: bool  # SSM / RWKV state: cannot roll back without checkpoints
+    n_ctx_train: int | None
+    kv_elements_per_token: int | None  # K+V elements across layers (full-size, upper bound)
+
+
+def model_facts(metadata: Mapping[str, Any]) -> ModelFacts:
+    arch = str(metadata.get("general.architecture", "unknown"))
+
+    def get(name: str) -> Any:
+        return metadata.get(f"{arch}.{name}")
+
+    layers, heads, embd = get("block_count"), get("attention.head_count"), get("embedding_length")
+    kv_heads = get("attention.head_count_kv") or heads
+    elements: int | None = None
+    if isinstance(layers, int) and isinstance(heads, int) and isinstance(embd, int) and heads:
+        key_len = int(get("attention.key_length") or embd // heads)
+        value_len = int(get("attention.value_length") or key_len)
+        per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+        elements = sum(int(h) for h in per_layer) * (key_len + value_len)
+    recurrent = any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.", f"{arch}.rwkv."))
+                    for k in metadata)
+    window = get("attention.sliding_window")
+    ctx = get("context_length")
+    return ModelFacts(arch, int(window) if isinstance(window, int) else 0, recurrent,
+                      int(ctx) if isinstance(ctx, int) else None, elements)
+
+
+# ---------------------------------------------------------------- probes over HTTP
+
+@dataclass(slots=True)
+class ProbeResults:
+    first_slot: int = 0
+    second_slot: int = 0
+    prompt_tokens_sent: int = 0
+    return_progress: bool | None = None
+    cache_prompt: bool | None = None
+    idle_slots_cleared: bool | None = None
+    idle_slot_restored: bool | None = None
+    rollback: bool | None = None
+    context_shift: bool | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Observations:
+    upstream: str
+    props: dict[str, Any]
+    health: int
+    slots: list[dict[str, Any]] | None
+    slots_status: int
+    metrics_status: int
+    slot_action_status: int
+    slot_action_message: str
+    model_meta: dict[str, Any] | None
+    flags: ServerFlags | None
+    model: ModelFacts | None
+    model_note: str
+    probes: ProbeResults | None
+
+    @property
+    def total_slots(self) -> int:
+        return int(self.props.get("total_slots") or len(self.slots or []) or 1)
+
+    @property
+    def slot_ctx(self) -> int | None:
+        n = (self.props.get("default_generation_settings") or {}).get("n_ctx")
+        return int(n) if isinstance(n, int) else None
+
+
+class _Client:
+    """A thin httpx wrapper: every connection failure becomes UpstreamUnavailableError."""
+
+    def __init__(self, base: str, timeout: float) -> None:
+        self.http = httpx.Client(base_url=base.rstrip("/"), timeout=timeout)
+
+    def get(self, path: str) -> httpx.Response:
+        try:
+            return self.http.get(path)
+        except httpx.TransportError as exc:
+            raise UpstreamUnavailableError(f"{self.http.base_url}{path}: {exc}") from exc
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return self.http.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise UpstreamUnavailableError(f"{self.http.base_url}{path}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[httpx.Response]:
+        try:
+            with self.http.stream("POST", path, json=body) as response:
+                yield response
+        except httpx.TransportError as exc:
+            raise UpstreamUnavailableError(f"{self.http.base_url}{path}: {exc}") from exc
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _json_or_empty(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {}
+
+
+def _error_message(response: httpx.Response) -> str:
+    body = _json_or_empty(response)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", ""))
+    return response.text[:200]
+
+
+class _Prober:
+    """The tiny completions. Each is pinned (``id_slot``) to one of the two emptiest idle
+    slots, so a busy server loses at most those two slots' cached prompts."""
+
+    def __init__(self, client: _Client, slots: list[dict[str, Any]] | None, total: int) -> None:
+        self.client = client
+        self.results = ProbeResults()
+        self.first, self.second = _probe_slots(slots, total)
+        self.results.first_slot, self.results.second_slot = self.first, self.second
+
+    def run(self, *, context_shift: bool, slot_ctx: int | None) -> ProbeResults:
+        try:
+            self._run_all(context_shift, slot_ctx)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            # A probe that fails leaves its finding unknown; the error is reported.
+            self.results.errors.append(f"{type(exc).__name__}: {exc}")
+        return self.results
+
+    def _run_all(self, context_shift: bool, slot_ctx: int | None) -> None:
+        r = self.results
+        first = self._tokens("prefixpin doctor probe: the quick brown fox", PROBE_TOKENS)
+        second = self._tokens("a different second probe prompt, seven", SECOND_TOKENS)
+        tail = self._tokens("and then the prompt changes here", EDIT_TAIL)
+        r.return_progress = self._streams_progress(first, self.first)
+        r.cache_prompt = self._cached(first, self.first) >= len(first) // 2
+        holder = self.first
+        if self.second != self.first:
+            self._cached(second, self.second)
+            r.idle_slots_cleared = self._slot_tokens(self.first) == 0
+            if r.idle_slots_cleared and r.cache_prompt:
+                # The second slot holds another prompt: llama-server saves it to host RAM
+                # and looks the request up there (the pinned slot is not empty).
+                r.idle_slot_restored = self._cached(first, self.second) >= len(first) // 2
+                holder = self.second
+        if r.cache_prompt:
+            edited = first[:EDIT_KEEP] + tail
+            r.rollback = self._cached(edited, holder) >= EDIT_KEEP // 2
+        if context_shift and slot_ctx:
+            r.context_shift = self._shifts_context(first, holder, slot_ctx)
+
+    def _tokens(self, text: str, n: int) -> list[int]:
+        words = (text + " ") * (n // 2 + 4)
+        response = self.client.post("/tokenize", {"content": words})
+        response.raise_for_status()
+        tokens = [t if isinstance(t, int) else int(t["id"]) for t in response.json()["tokens"]]
+        if len(tokens) < n:
+            raise ValueError(f"/tokenize gave {len(tokens)} tokens, wanted {n}")
+        return tokens[:n]
+
+    def _complete(self, prompt: list[int], slot: int, **extra: Any) -> dict[str, Any]:
+        self.results.prompt_tokens_sent += len(prompt)
+        body = {"prompt": prompt, "n_predict": 1, "id_slot": slot, "temperature": 0, **extra}
+        response = self.client.post("/completion", body)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def _cached(self, prompt: list[int], slot: int) -> int:
+        return int(self._complete(prompt, slot)["timings"]["cache_n"])
+
+    def _streams_progress(self, prompt: list[int], slot: int) -> bool:
+        self.results.prompt_tokens_sent += len(prompt)
+        body = {"prompt": prompt, "n_predict": 1, "id_slot": slot, "temperature": 0,
+                "stream": True, "return_progress": True}
+        seen = False
+        with self.client.stream("/completion", body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"prompt_progress"' in line:
+                    seen = True
+        return seen
+
+    def _slot_tokens(self, slot: int) -> int | None:
+        response = self.client.get("/slots")
+        if response.status_code != 200:
+            return None
+        for entry in response.json():
+            if entry.get("id") == slot:
+                return int(entry.get("n_prompt_tokens") or 0)
+        return None
+
+    def _shifts_context(self, seed: list[int], slot: int, slot_ctx: int) -> bool | None:
+        """Fill the slot to 4 tokens short of its end and ask for more: without context
+        shift generation stops at the end of the context."""
+        length = slot_ctx - 4
+        prompt = (seed * (length // len(seed) + 1))[:length]
+        data = self._complete(prompt, slot, n_predict=CONTEXT_SHIFT_PREDICT, ignore_eos=True)
+        predicted = int(data["timings"]["predicted_n"])
+        return predicted >= CONTEXT_SHIFT_PREDICT
+
+
+def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, int]:
+    if not slots:
+        return 0, min(1, total - 1)
+    ranked = sorted(slots, key=lambda s: (bool(s.get("is_processing")),
+                                          int(s.get("n_prompt_tokens") or 0), int(s["id"])))
+    first = int(ranked[0]["id"])
+    second = int(ranked[1]["id"]) if len(ranked) > 1 else first
+    return first, second
+
+
+def collect(upstream: str, *, probe: bool = True, local: bool = True,
+            probe_context_shift: bool = False, timeout: float = 120.0) -> Observations:
+    """Read everything doctor judges. Raises UpstreamUnavailableError when the server
+    cannot be reached or is not ready."""
+    client = _Client(upstream, timeout)
+    try:
+        health = client.get("/health")
+        if health.status_code != 200:
+            raise UpstreamUnavailableError(
+                f"{upstream}/health answered {health.status_code}: {_error_message(health)}")
+        props = _json_or_empty(client.get("/props"))
+        slots_response = client.get("/slots")
+        slots = slots_response.json() if slots_response.status_code == 200 else None
+        metrics = client.get("/metrics")
+        action = client.post(f"/slots/0?action={SLOT_ACTION_PROBE}", {})
+        models = _json_or_empty(client.get("/v1/models"))
+        meta = next(iter(models.get("data") or [{}])).get("meta") if isinstance(models, dict) \
+            else None
+        flags = local_server_flags(upstream) if local else None
+        model, model_note = _read_model(props, flags)
+        results = None
+        if probe:
+            total = int(props.get("total_slots") or len(slots or []) or 1)
+            slot_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+            results = _Prober(client, slots, total).run(context_shift=probe_context_shift,
+                                                        slot_ctx=slot_ctx)
+        return Observations(upstream, props if isinstance(props, dict) else {},
+                            health.status_code, slots, slots_response.status_code,
+                            metrics.status_code, action.status_code, _error_message(action),
+                            meta, flags, model, model_note, results)
+    finally:
+        client.close()
+
+
+def _read_model(props: dict[str, Any], flags: ServerFlags | None) -> tuple[ModelFacts | None, str]:
+    path = props.get("model_path") or (flags.value("model") if flags else None)
+    if not isinstance(path, str) or not path:
+        return None, "the server does not say which model file it loaded"
+    if not Path(path).is_file():
+        return None, f"{path} is not readable here (another host or container?)"
+    # Imported here: gguf pulls in numpy, which `prefixpin serve` does not need at start.
+    from fingerprint._gguf import GgufFormatError, read_metadata
+
+    try:
+        return model_facts(read_metadata(path)), f"GGUF metadata of {path}"
+    except (OSError, GgufFormatError, ValueError) as exc:
+        return None, f"{path}: {exc}"
+
+
+# ---------------------------------------------------------------- the judgement
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    key: str
+    status: Status
+    flag: str  # the llama-server flag this is about (the fix, or the culprit)
+    summary: str
+    fix: str = ""
+    evidence: str = ""
+
+
+def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Finding]:
+    return [
+        _metrics(obs), _slots_endpoint(obs), _slot_save_path(obs), _cache_prompt(obs),
+        _unified_idle_slots(obs), _rollback(obs), _context_shift(obs), _return_progress(obs),
+        _slot_context(obs, min_ctx), _slot_similarity(obs),
+    ]
+
+
+def _flag_evidence(obs: Observations, key: str) -> str:
+    flags = obs.flags
+    if flags is None or flags.value(key) is None:
+        return ""
+    if flags.is_set(key):
+        return f"{FLAG_SPECS[key].names[-1]} {flags.value(key)} on the {flags.source}"
+    return f"not on the {flags.source}: this build's default is {flags.value(key)}"
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _metrics(obs: Observations) -> Finding:
+    if obs.metrics_status == 200:
+        return Finding("metrics", "ok", "--metrics", "/metrics is on",
+                       evidence="GET /metrics answered 200")
+    if obs.metrics_status == 501:
+        return Finding("metrics", "problem", "--metrics",
+                       "llama-server runs without --metrics: its own cache counters "
+                       "(llamacpp:prompt_tokens_cached_total) cannot be scraped",
+                       "add --metrics", "GET /metrics answered 501")
+    return Finding("metrics", "unknown", "--metrics", "could not tell whether /metrics is on",
+                   evidence=f"GET /metrics answered {obs.metrics_status}")
+
+
+def _slots_endpoint(obs: Observations) -> Finding:
+    if obs.slots is not None:
+        return Finding("slots-endpoint", "ok", "--slots", "/slots is on",
+                       evidence="GET /slots answered 200")
+    return Finding("slots-endpoint", "problem", "--no-slots",
+                   "/slots is off: prefixpin cannot see which slot holds which session",
+                   "remove --no-slots", f"GET /slots answered {obs.slots_status}")
+
+
+def _slot_save_path(obs: Observations) -> Finding:
+    evidence = (f"POST /slots/0?action={SLOT_ACTION_PROBE} answered {obs.slot_action_status} "
+                f"{obs.slot_action_message!r}")
+    if obs.slot_action_status == 501 and "slot-save-path" in obs.slot_action_message:
+        return Finding("slot-save-path", "problem", "--slot-save-path",
+                       "no --slot-save-path: slots cannot be saved to disk, so a session "
+                       "evicted from its slot (or a restart) means a full re-prefill",
+                       "add --slot-save-path DIR (an existing directory on a fast disk)",
+                       evidence)
+    if obs.slot_action_status == 400 and "action" in obs.slot_action_message.lower():
+        return Finding("slot-save-path", "ok", "--slot-save-path",
+                       "--slot-save-path is set: slots can be parked on disk", evidence=evidence)
+    return Finding("slot-save-path", "unknown", "--slot-save-path",
+                   "could not tell whether --slot-save-path is set", evidence=evidence)
+
+
+def _cache_prompt(obs: Observations) -> Finding:
+    probed = obs.probes.cache_prompt if obs.probes else None
+    from_flags = obs.flags.boolean("cache_prompt") if obs.flags else None
+    on = probed if probed is not None else from_flags
+    evidence = (f"the same {PROBE_TOKENS}-token prompt sent twice to one slot was "
+                f"{'reused' if probed else 'recomputed'}") if probed is not None else \
+        _flag_evidence(obs, "cache_prompt")
+    if on is None:
+        return Finding("cache-prompt", "unknown", "--cache-prompt",
+                       "could not tell whether prompt caching is on (no probe ran)")
+    if on:
+        return Finding("cache-prompt", "ok", "--cache-prompt", "prompt caching is on",
+                       evidence=evidence)
+    return Finding("cache-prompt", "problem", "--no-cache-prompt",
+                   "prompt caching is off (--no-cache-prompt): every request re-reads its "
+                   "whole prompt", "remove --no-cache-prompt", evidence)
+
+
+def _slot_kv_mib(obs: Observations) -> float | None:
+    if obs.model is None or obs.model.kv_elements_per_token is None or obs.slot_ctx is None:
+        return None
+    kinds = [str(obs.flags.value(k) or "f16") if obs.flags else "f16"
+             for k in ("cache_type_k", "cache_type_v")]
+    per_element = sum(KV_TYPE_BYTES.get(kind.lower(), 2.0) for kind in kinds) / 2
+    return obs.model.kv_elements_per_token * per_element * obs.slot_ctx / 2**20
+
+
+def _unified_idle_slots(obs: Observations) -> Finding:
+    """-np auto means 4 slots on one unified KV pool, and with idle-slot caching (on by
+    default) every new request saves the other idle slots to host RAM and clears them: a
+    session survives a switch only if it fits --cache-ram."""
+    flags, probes = obs.flags, obs.probes
+    n_parallel = flags.number("n_parallel") if flags else None
+    auto = n_parallel is not None and n_parallel < 0
+    cache_ram = flags.number("cache_ram") if flags else None
+    cleared, evidence = _idle_slots_cleared(obs, auto)
+    if cleared is None:
+        return Finding("np-unified-idle", "unknown", "-np",
+                       "could not tell whether idle slots are cleared when a request starts "
+                       "(needs /slots and two slots, or the server's command line)")
+    if not cleared:
+        return Finding("np-unified-idle", "ok", "-np",
+                       f"idle slots keep their KV cache ({obs.total_slots} slots)",
+                       evidence=_join(*evidence))
+    name = "-np auto" if auto or (flags is None and obs.total_slots == 4) else "--kv-unified"
+    slot_mib = _slot_kv_mib(obs)
+    restored = probes.idle_slot_restored if probes else None
+    if restored is not None:
+        evidence.append(f"a {PROBE_TOKENS}-token prompt cleared that way "
+                        f"{'came back from host RAM' if restored else 'was gone'}")
+    if slot_mib is not None:
+        evidence.append(f"a full slot holds about {slot_mib:.0f} MiB of KV")
+    if cache_ram is not None:
+        evidence.append(_flag_evidence(obs, "cache_ram"))
+    ram = ("no limit" if cache_ram == -1 else f"{cache_ram:.0f} MiB" if cache_ram is not None
+           else "its size is not visible over HTTP; 8192 MiB by default")
+    too_small = (slot_mib is not None and cache_ram is not None and cache_ram != -1
+                 and slot_mib > cache_ram)
+    lost = restored is False or too_small
+    summary = (f"{name}: {obs.total_slots} slots share one KV pool (unified KV), and each new "
+               "request saves the other idle slots to host RAM and clears them; a session "
+               f"comes back only if it fits in --cache-ram ({ram})"
+               + ("; here idle sessions are lost" if lost else ""))
+    need = f" to at least {slot_mib + 1:.0f} MiB" if slot_mib is not None else ""
+    fix = (f"give -np explicitly (e.g. -np {obs.total_slots}: unified KV is then off and idle "
+           f"slots keep their KV), or add --no-cache-idle-slots, or raise --cache-ram{need}")
+    return Finding("np-unified-idle", "problem" if lost else "warning", name, summary, fix,
+                   _join(*evidence))
+
+
+def _idle_slots_cleared(obs: Observations, auto: bool) -> tuple[bool | None, list[str]]:
+    flags, probes = obs.flags, obs.probes
+    if probes and probes.idle_slots_cleared is not None:
+        verb = "emptied" if probes.idle_slots_cleared else "left alone"
+        return probes.idle_slots_cleared, [
+            f"a request on slot {probes.second_slot} {verb} idle slot {probes.first_slot}"]
+    if flags is None:
+        return None, []
+    # Without --kv-unified given, unified KV follows -np: on for auto, off when explicit.
+    unified = auto or bool(flags.is_set("kv_unified") and flags.boolean("kv_unified"))
+    idle_caching = flags.boolean("cache_idle_slots")
+    if flags.known and "cache_idle_slots" not in flags.known:
+        idle_caching = False  # builds before --cache-idle-slots never clear idle slots
+    if not unified:
+        return False, [_flag_evidence(obs, "n_parallel") or "unified KV not requested"]
+    if idle_caching is None:
+        return None, []
+    cleared = idle_caching and flags.number("cache_ram") != 0
+    return cleared, [x for x in (_flag_evidence(obs, "n_parallel"),
+                                 _flag_evidence(obs, "cache_idle_slots")) if x]
+
+
+def _rollback(obs: Observations) -> Finding:
+    """Sliding-window (without --swa-full) and recurrent models cannot go back to an
+    earlier position: a prompt that changes before its last few tokens is re-read."""
+    model = obs.model
+    swa_full = obs.flags.boolean("swa_full") if obs.flags else None
+    probed = obs.probes.rollback if obs.probes else None
+    seen = "" if probed is None else (
+        f"a prompt sharing its first {EDIT_KEEP} tokens with the previous one on the same "
+        f"slot reused {'them' if probed else 'none of them'}")
+    swa_evidence = _flag_evidence(obs, "swa_full")
+    fix = "add --swa-full (costs VRAM: the sliding-window layers then keep the whole context)"
+    if model is not None and model.recurrent:
+        return Finding("checkpoints", "ok" if probed else "warning", "-cms",
+                       f"{model.architecture} has recurrent layers: an edited history falls "
+                       "back to the nearest context checkpoint (every -cms tokens, 8192 by "
+                       "default) or to a full re-prefill",
+                       "lower -cms (e.g. -cms 1024) and raise -ctxcp for finer rollback, at "
+                       "the cost of host RAM", _join(obs.model_note, seen))
+    if model is not None and model.sliding_window == 0:
+        return Finding("swa-full", "ok", "--swa-full",
+                       f"{model.architecture} uses full attention: any shared prefix is reused",
+                       evidence=_join(obs.model_note, seen))
+    what = (f"{model.architecture} uses sliding-window attention ({model.sliding_window} "
+            "tokens)") if model is not None else "the model"
+    if swa_full is False or probed is False:
+        cause = "without --swa-full" if model is not None else (
+            "cannot reuse a prefix once the prompt changes: a sliding-window model (Gemma "
+            "2/3, ...) without --swa-full, or a recurrent/hybrid model")
+        return Finding("swa-full", "problem", "--swa-full",
+                       f"{what} {cause}: a prompt that changes anywhere but in its last few "
+                       "tokens is re-read from the start (unless a context checkpoint sits "
+                       "before the change)", fix, _join(obs.model_note, swa_evidence, seen))
+    if swa_full or probed:
+        return Finding("swa-full", "ok", "--swa-full",
+                       f"{what}: a shared prefix is reused after an edit",
+                       evidence=_join(swa_evidence, seen))
+    return Finding("swa-full", "unknown", "--swa-full",
+                   f"{what}: could not tell whether a shared prefix is reused after an edit",
+                   fix if model is not None else "", obs.model_note)
+
+
+def _context_shift(obs: Observations) -> Finding:
+    from_flags = obs.flags.boolean("ctx_shift") if obs.flags else None
+    probed = obs.probes.context_shift if obs.probes else None
+    on = from_flags if from_flags is not None else probed
+    evidence = _flag_evidence(obs, "ctx_shift") if from_flags is not None else (
+        "a request filling its slot to the end kept generating" if probed else
+        "a request filling its slot to the end stopped there") if probed is not None else ""
+    fix = "remove --context-shift (or add --no-context-shift)"
+    if on is None:
+        return Finding("context-shift", "unknown", "--context-shift",
+                       "context shift is not visible over HTTP; run doctor on the server's "
+                       "host, or with --probe-context-shift (fills one slot to its end)",
+                       fix)
+    if on:
+        return Finding("context-shift", "problem", "--context-shift",
+                       "context shift is on: a generation that reaches the end of the slot "
+                       "drops half of the history and rewrites the slot, so the next turn "
+                       "re-reads the prompt from the first dropped token", fix, evidence)
+    return Finding("context-shift", "ok", "--context-shift", "context shift is off",
+                   evidence=evidence)
+
+
+def _return_progress(obs: Observations) -> Finding:
+    probed = obs.probes.return_progress if obs.probes else None
+    build = obs.props.get("build_info", "unknown build")
+    if probed is None:
+        return Finding("return-progress", "unknown", "(build)",
+                       "could not tell whether this build streams prompt_progress",
+                       evidence=f"build {build}")
+    if probed:
+        return Finding("return-progress", "ok", "(build)",
+                       "the build streams prompt_progress (cache hit known before prefill)",
+                       evidence=f"build {build}: a streaming request with return_progress "
+                       "got prompt_progress events")
+    return Finding("return-progress", "problem", "(build)",
+                   f"this llama-server build ({build}) is too old for return_progress: "
+                   "prefixpin cannot see the cache hit or prefill progress before the "
+                   "first token", "upgrade llama-server",
+                   "a streaming request with return_progress got no prompt_progress")
+
+
+def _slot_context(obs: Observations, min_ctx: int) -> Finding:
+    ctx = obs.slot_ctx
+    if ctx is None:
+        return Finding("slot-context", "unknown", "-c", "the context per slot is not known")
+    evidence = f"/props default_generation_settings.n_ctx = {ctx}"
+    if ctx < min_ctx:
+        return Finding("slot-context", "problem", "-c",
+                       f"each slot holds only {ctx} tokens: agent sessions outgrow it, get "
+                       "rejected or compacted, and lose their cached prefix",
+                       f"raise -c to slots × at least {min_ctx} (-c is shared by the slots "
+                       "unless the KV is unified)", evidence)
+    return Finding("slot-context", "ok", "-c", f"{ctx} tokens per slot", evidence=evidence)
+
+
+def _slot_similarity(obs: Observations) -> Finding:
+    sps = obs.flags.number("slot_similarity") if obs.flags else None
+    if sps is None:
+        return Finding("slot-similarity", "unknown", "-sps",
+                       "slot prompt similarity (-sps) is not visible over HTTP")
+    evidence = _flag_evidence(obs, "slot_similarity")
+    if sps == 0:
+        return Finding("slot-similarity", "warning", "-sps",
+                       "-sps 0: requests without id_slot go to the least recently used slot, "
+                       "not to the one holding their prefix, and every request copies slot "
+                       "state through host RAM", "drop -sps 0 (default 0.10)", evidence)
+    return Finding("slot-similarity", "ok", "-sps", f"slot prompt similarity {sps:g}",
+                   evidence=evidence)
+
+
+# ---------------------------------------------------------------- the recommendation
+
+def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]:
+    """A llama-server command line that keeps caches warm, built from what was seen."""
+    flags = obs.flags
+    model = (flags.value("model") if flags else None) or obs.props.get("model_path") or "MODEL.gguf"
+    parts = urlsplit(obs.upstream)
+    host = str(flags.value("host") or "127.0.0.1") if flags and flags.is_set("host") \
+        else parts.hostname or "127.0.0.1"
+    port = str(flags.value("port") if flags and flags.is_set("port") else parts.port or 8080)
+    slots = obs.total_slots
+    unified = bool(flags and (flags.boolean("kv_unified") or (flags.number("n_parallel") or 0) < 0))
+    per_slot = obs.slot_ctx or min_ctx
+    if unified or (obs.probes and obs.probes.idle_slots_cleared):
+        per_slot = per_slot // slots  # the unified pool was shared: split it
+    per_slot = max(per_slot, min_ctx)
+    if obs.model and obs.model.n_ctx_train:
+        per_slot = min(per_slot, obs.model.n_ctx_train)
+    save_path = str(flags.value("slot_save_path")) if flags and flags.is_set("slot_save_path") \
+        else "/var/cache/llama/slots"
+    command = ["llama-server", "-m", str(model), "--host", host, "--port", port,
+               "-np", str(slots), "-c", str(slots * per_slot), "--slot-save-path", save_path,
+               "--metrics", "--no-context-shift"]
+    if obs.model is None or obs.model.sliding_window:
+        command.append("--swa-full")
+    if obs.model and obs.model.recurrent:
+        command += ["-cms", "1024"]
+    return command
+
+
+# ---------------------------------------------------------------- output
+
+@dataclass(slots=True)
+class Report:
+    upstream: str
+    reachable: bool
+    findings: list[Finding]
+    command: list[str]
+    server: dict[str, Any]
+    sources: list[str]
+    error: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        if not self.reachable:
+            return EXIT_UNREACHABLE
+        return EXIT_PROBLEMS if any(f.status == "problem" for f in self.findings) else EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {"upstream": self.upstream, "reachable": self.reachable, "error": self.error,
+                "server": self.server, "sources": self.sources,
+                "findings": [asdict(f) for f in self.findings],
+                "recommended_command": self.command, "exit_code": self.exit_code}
+
+
+def build_report(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> Report:
+    sources = ["HTTP: /health /props /slots /metrics /v1/models, "
+               f"POST /slots/0?action={SLOT_ACTION_PROBE}"]
+    if obs.flags:
+        sources.append(obs.flags.source + (" (and its --help for defaults)"
+                                           if obs.flags.known else ""))
+    if obs.probes:
+        sources.append(f"probes: tiny completions on slot(s) "
+                       f"{obs.probes.first_slot} and {obs.probes.second_slot} "
+                       f"({obs.probes.prompt_tokens_sent} prompt tokens in all)")
+        sources += [f"probe error: {e}" for e in obs.probes.errors]
+    sources.append(obs.model_note)
+    server = {"build_info": obs.props.get("build_info"), "model_path": obs.props.get(
+        "model_path"), "total_slots": obs.total_slots, "slot_ctx": obs.slot_ctx,
+        "architecture": obs.model.architecture if obs.model else None}
+    return Report(obs.upstream, True, diagnose(obs, min_ctx=min_ctx),
+                  recommend(obs, min_ctx=min_ctx), server, sources)
+
+
+MARKS: dict[Status, str] = {"problem": "PROBLEM", "warning": "warning", "ok": "ok",
+                            "unknown": "unknown"}
+
+
+def render_text(report: Report) -> str:
+    if not report.reachable:
+        return f"prefixpin doctor: cannot reach llama-server at {report.upstream}: {report.error}\n"
+    s = report.server
+    lines = [f"prefixpin doctor: {report.upstream}",
+             f"  build {s['build_info']}, {s['total_slots']} slot(s) × {s['slot_ctx']} tokens, "
+             f"model {s['model_path']}", "  read from: " + "; ".join(report.sources), ""]
+    order = {"problem": 0, "warning": 1, "unknown": 2, "ok": 3}
+    for f in sorted(report.findings, key=lambda f: order[f.status]):
+        lines.append(f"{MARKS[f.status]:<8} {f.flag:<17} {f.summary}")
+        if f.fix and f.status != "ok":
+            lines.append(f"{'':<8} {'':<17} fix: {f.fix}")
+        if f.evidence:
+            lines.append(f"{'':<8} {'':<17} seen: {f.evidence}")
+    problems = sum(f.status == "problem" for f in report.findings)
+    lines += ["", f"{problems} setting(s) defeat prompt caching." if problems else
+              "Nothing found that defeats prompt caching.",
+              "", "Recommended llama-server command line:", "  " + shlex.join(report.command)]
+    return "\n".join(lines) + "\n"
+
+
+def run(upstream: str, *, probe: bool = True, local: bool = True,
+        probe_context_shift: bool = False, min_ctx: int = DEFAULT_MIN_CTX,
+        timeout: float = 120.0) -> Report:
+    try:
+        obs = collect(upstream, probe=probe, local=local,
+                      probe_context_shift=probe_context_shift, timeout=timeout)
+    except UpstreamUnavailableError as exc:
+        return Report(upstream, False, [], [], {}, [], error=exc.message)
+    return build_report(obs, min_ctx=min_ctx)
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", default=os.environ.get("PREFIXPIN_UPSTREAM")
+                        or DEFAULT_UPSTREAM, help=f"llama-server base URL (default "
+                        f"$PREFIXPIN_UPSTREAM or {DEFAULT_UPSTREAM})")
+    parser.add_argument("--json", action="store_true", help="print a JSON report")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="send no completions (flags that need them stay unknown)")
+    parser.add_argument("--probe-context-shift", action="store_true",
+                        help="also fill one slot to its end to see whether context shift is on")
+    parser.add_argument("--no-local", dest="local", action="store_false",
+                        help="do not read the server process's command line from /proc")
+    parser.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,
+                        help=f"smallest acceptable context per slot (default {DEFAULT_MIN_CTX})")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds to wait for each request (default 120)")
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    report = run(args.upstream, probe=args.probe, local=args.local,
+                 probe_context_shift=args.probe_context_shift, min_ctx=args.min_ctx,
+                 timeout=args.timeout)
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    else:
+        sys.stdout.write(render_text(report))
+    return report.exit_code
