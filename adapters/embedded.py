@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import httpx
 from starlette.applications import Starlette
 
 from adapters._embedded_context import SlotContext
@@ -78,6 +79,8 @@ from adapters._embedded_slots import (
     save_slot,
     wrap_slot_id,
 )
+from adapters.llama_server import LlamaServerAdapter
+from proxy.asgi_transport import StreamingASGITransport
 
 __all__ = [
     "ApiError",
@@ -319,3 +322,26 @@ def create_engine_app(config: EngineConfig, *, engine: EmbeddedEngine | None = N
     app = Starlette(routes=build_routes(running), lifespan=lifespan)
     app.state.engine = running
     return app
+
+
+class EmbeddedAdapter(LlamaServerAdapter):
+    """The embedded engine behind the llama-server adapter, over an in-process transport:
+    the proxy drives it exactly as it drives a real llama-server."""
+
+    name = "embedded"
+
+    def __init__(self, engine: EmbeddedEngine, http: httpx.AsyncClient) -> None:
+        super().__init__(http)
+        self.engine = engine
+
+    @classmethod
+    async def open(cls, config: EngineConfig, http_timeout: httpx.Timeout) -> EmbeddedAdapter:
+        engine = await EmbeddedEngine.aopen(config)
+        app = create_engine_app(config, engine=engine)
+        http = httpx.AsyncClient(base_url="http://embedded", timeout=http_timeout,
+                                 transport=StreamingASGITransport(app))
+        return cls(engine, http)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        await self.engine.aclose()

@@ -53,7 +53,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        backend_adapter = adapter or _llama_server_adapter(settings, transport)
+        backend_adapter = adapter or await _open_adapter(settings, transport)
         backend = Backend(label=_label(settings), adapter=backend_adapter)
         service = ProxyService(settings, backend, metrics, logger=logger)
         store = SessionStore()
@@ -191,6 +191,21 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
               implicit=fingerprinter is not None)
     first_probe.set()
+
+
+async def _open_adapter(settings: Settings,
+                        transport: httpx.AsyncBaseTransport | None) -> Adapter:
+    if settings.upstream is not None or transport is not None:
+        return _llama_server_adapter(settings, transport)
+    # Imported here: the embedded engine needs the `embedded` extra (llama-cpp-python).
+    from adapters.embedded import EmbeddedAdapter, EngineConfig
+
+    if settings.model is None:
+        raise ValueError("the embedded engine needs settings.model (the CLI resolves it)")
+    config = EngineConfig(model_path=settings.model, n_slots=settings.slots,
+                          n_ctx=settings.ctx_size, n_threads=settings.threads,
+                          slot_save_path=settings.slot_dir())
+    return await EmbeddedAdapter.open(config, settings.upstream_timeout())
 
 
 def _llama_server_adapter(settings: Settings,

@@ -49,7 +49,8 @@ def namespace_of(headers: Mapping[str, str]) -> str:
     return "t-" + blake3.blake3(token.encode()).hexdigest()[:16]
 
 
-def explicit_identity(body: Mapping[str, Any], headers: Mapping[str, str]) -> ExplicitIdentity | None:
+def explicit_identity(body: Mapping[str, Any],
+                      headers: Mapping[str, str]) -> ExplicitIdentity | None:
     parent = _clean(headers.get(PARENT_HEADER))
     for name in BODY_KEYS:
         key = _clean(body.get(name))

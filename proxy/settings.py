@@ -59,6 +59,13 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    def slot_dir(self) -> Path:
+        """Where the embedded engine saves slot files (parking uses it)."""
+        base = self.park_dir or Path.home() / ".cache" / "prefixpin" / "park"
+        path = base / "slots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def upstream_timeout(self) -> httpx.Timeout:
         return httpx.Timeout(
             connect=self.connect_timeout_s, read=self.read_timeout_s,
