@@ -11,14 +11,17 @@ from hypothesis import strategies as st
 
 from proxy.history import Committed, canonical, decide
 
-SYSTEM = {"role": "system", "content": "You are a coding agent."}
-USER = {"role": "user", "content": "Fix the bug in parse.py"}
-CALL = {"role": "assistant", "content": None, "reasoning_content": "Look at the file first.",
-        "tool_calls": [{"id": "c1", "type": "function",
+Message = dict[str, Any]
+SYSTEM: Message = {"role": "system", "content": "You are a coding agent."}
+USER: Message = {"role": "user", "content": "Fix the bug in parse.py"}
+CALL: Message = {
+    "role": "assistant", "content": None, "reasoning_content": "Look at the file first.",
+    "tool_calls": [{"id": "c1", "type": "function",
                         "function": {"name": "read", "arguments": '{"path": "parse.py"}'}}]}
-RESULT = {"role": "tool", "tool_call_id": "c1", "content": "def parse(x):\n" + "    pass\n" * 80}
-REPLY = {"role": "assistant", "content": "Fixed."}
-HISTORY = [SYSTEM, USER, CALL, RESULT]
+RESULT: Message = {"role": "tool", "tool_call_id": "c1",
+                   "content": "def parse(x):\n" + "    pass\n" * 80}
+REPLY: Message = {"role": "assistant", "content": "Fixed."}
+HISTORY: list[Message] = [SYSTEM, USER, CALL, RESULT]
 
 
 def body(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
