@@ -10,6 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.report import summary_block
+
 _PACKAGES = ("prefixpin", "httpx", "matplotlib", "starlette", "uvicorn")
 
 
@@ -75,6 +77,6 @@ def run_md(*, command: str, scenario: str, summary_md: str, engine_props: dict[s
     if llama_argv:
         lines.append(f"- llama-server started by the harness: `{' '.join(llama_argv)}`")
     lines += [f"- {note}" for note in notes]
-    lines += ["", summary_md.split("\n## Per turn")[0].split("\n", 2)[2].strip(), "",
+    lines += ["", summary_block(summary_md), "",
               "Per-turn figures: `table.md`; rows: `rows.jsonl`; plot: `ttft.png`.", ""]
     return "\n".join(lines)

@@ -143,15 +143,11 @@ def _progress(row: report.Row) -> None:
           f"{', ERROR ' + str(row['error']) if row['error'] else ''}", file=sys.stderr)
 
 
-def write_outputs(out: Path, scenario: Scenario, rows: list[report.Row],
-                  walls: dict[str, list[float]], baseline: str, provenance: dict[str, Any]
-                  ) -> str:
+def write_outputs(out: Path, scenario: Scenario, rows: list[report.Row], baseline: str,
+                  provenance: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     report.write_rows(out / "rows.jsonl", rows)
-    summaries = report.summarize(rows, walls)
-    table = report.markdown(scenario.name, summaries, baseline)
-    (out / "table.md").write_text(table, encoding="utf-8")
-    report.plot(out / "ttft.png", scenario.name, rows, summaries)
+    table = report.render(out, scenario.name, baseline)
     (out / "RUN.md").write_text(run_md(scenario=scenario.name, summary_md=table,
                                        repo=REPO, **provenance), encoding="utf-8")
     return table
@@ -190,7 +186,6 @@ def run(args: argparse.Namespace, argv: list[str], scenario: Scenario,
     rig = Rig(engine, args.reset or ("restart" if llama else "erase"), llama)
     baseline = args.baseline or arms[0].name
     rows: list[report.Row] = []
-    walls: dict[str, list[float]] = {arm.name: [] for arm in arms}
     props: dict[str, Any] = {}
     load_before = os.getloadavg()
     try:
@@ -203,8 +198,9 @@ def run(args: argparse.Namespace, argv: list[str], scenario: Scenario,
                 print(f"{scenario.name}: rep {rep} arm {arm.name}", file=sys.stderr)
                 arm_rows, wall = asyncio.run(run_rep(arm, rep, order, scenario, requests,
                                                      observed, engine))
+                for row in arm_rows:
+                    row.update(rep_wall_ms=round(wall, 1), baseline=baseline)
                 rows += arm_rows
-                walls[arm.name].append(wall)
                 order += 1
         check_resends(scenario, rows, baseline)
     except RegimeError as exc:
@@ -226,7 +222,7 @@ def run(args: argparse.Namespace, argv: list[str], scenario: Scenario,
                                      f"{arm.process.env or '{}'}" if arm.process else arm.url)
               for arm in arms]
     out = args.out or RESULTS / scenario.name
-    table = write_outputs(out, scenario, rows, walls, baseline, {
+    table = write_outputs(out, scenario, rows, baseline, {
         "command": shlex.join(["python", "bench/replay.py", *argv]), "engine_props": props,
         "llama_argv": llama_argv, "notes": notes})
     print(table.split("\n## Per turn")[0])

@@ -3,6 +3,13 @@
 Never a mean over turns: turn 0 is cold in every arm and later turns differ by design.
 Each turn's figure is the median over reps of that turn; an arm's total is the sum of its
 per-turn medians; the end-to-end figure is the median over reps of a rep's wall clock.
+
+Two sums separate the engine from the path in front of it: the engine's own prefill time
+(``timings.prompt_ms``) and the rest of the TTFT (proxy, queueing, resends, first decode).
+On a shared machine the engine's speed drifts between reps; equal cached and prefilled
+tokens with a small "rest" is what shows a pass-through arm adds nothing.
+
+    python -m bench.report bench/results/<scenario>   # re-render from rows.jsonl
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ class TurnMedian:
     prefill_ms: float
     attempts: float
 
+    @property
+    def rest_ms(self) -> float:
+        """TTFT not spent in the engine's prefill of the answered attempt."""
+        return self.ttft_ms - self.prefill_ms
+
 
 @dataclass(frozen=True, slots=True)
 class ArmSummary:
@@ -38,6 +50,7 @@ class ArmSummary:
     reps: int
     turns: list[TurnMedian]
     summed_ttft_ms: float
+    summed_prefill_ms: float
     wall_ms: float  # median over reps of the rep's end-to-end wall clock
     prompt_tokens: float
     cached_tokens: float
@@ -66,20 +79,23 @@ def _median(values: Iterable[float | None]) -> float:
     return float(statistics.median(present)) if present else math.nan
 
 
-def summarize(rows: list[Row], walls: dict[str, list[float]]) -> dict[str, ArmSummary]:
-    """``walls``: per arm, each rep's end-to-end wall clock in ms."""
+def summarize(rows: list[Row]) -> dict[str, ArmSummary]:
     by_arm: dict[str, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         by_arm[row["arm"]][row["seq"]].append(row)
     summaries = {}
     for arm, by_seq in by_arm.items():
         turns = [_turn_median(seq, by_seq[seq]) for seq in sorted(by_seq)]
-        engine = _engine_tokens([r for seq_rows in by_seq.values() for r in seq_rows])
+        arm_rows = [r for seq_rows in by_seq.values() for r in seq_rows]
+        walls = {r["rep"]: r["rep_wall_ms"] for r in arm_rows}
         summaries[arm] = ArmSummary(
-            arm=arm, reps=len({r["rep"] for rs in by_seq.values() for r in rs}), turns=turns,
-            summed_ttft_ms=sum(t.ttft_ms for t in turns), wall_ms=_median(walls[arm]),
+            arm=arm, reps=len(walls), turns=turns,
+            summed_ttft_ms=sum(t.ttft_ms for t in turns),
+            summed_prefill_ms=sum(t.prefill_ms for t in turns),
+            wall_ms=_median(walls.values()),
             prompt_tokens=sum(t.prompt_tokens for t in turns),
-            cached_tokens=sum(t.cached_tokens for t in turns), engine_prompt_tokens=engine)
+            cached_tokens=sum(t.cached_tokens for t in turns),
+            engine_prompt_tokens=_engine_tokens(arm_rows))
     return summaries
 
 
@@ -109,8 +125,9 @@ def markdown(scenario: str, summaries: dict[str, ArmSummary], baseline: str) -> 
              f"Per-turn figures are medians over reps; ratios are arm / {baseline} "
              "(below 1 is faster).", "",
              "| arm | reps | summed TTFT (s) | ratio | end-to-end (s) | ratio | "
-             "cached / prompt tokens | engine prefilled tokens | last / 2nd turn TTFT |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "cached / prompt tokens | engine prefilled tokens | engine prefill (s) | "
+             "TTFT - prefill (s) | last / 2nd turn TTFT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summaries.items():
         engine = "n/a" if s.engine_prompt_tokens is None else f"{s.engine_prompt_tokens:.0f}"
         flat = "n/a" if s.flatness is None else f"{s.flatness:.2f}"
@@ -118,7 +135,8 @@ def markdown(scenario: str, summaries: dict[str, ArmSummary], baseline: str) -> 
             f"| {arm} | {s.reps} | {s.summed_ttft_ms / 1000:.2f} | "
             f"{s.summed_ttft_ms / base.summed_ttft_ms:.2f} | {s.wall_ms / 1000:.2f} | "
             f"{s.wall_ms / base.wall_ms:.2f} | {s.cached_tokens:.0f} / {s.prompt_tokens:.0f} "
-            f"({100 * s.reuse:.0f}%) | {engine} | {flat} |")
+            f"({100 * s.reuse:.0f}%) | {engine} | {s.summed_prefill_ms / 1000:.2f} | "
+            f"{(s.summed_ttft_ms - s.summed_prefill_ms) / 1000:.2f} | {flat} |")
     lines += ["", "## Per turn", "", _turn_header(summaries), _turn_rule(summaries)]
     for index, turn in enumerate(base.turns):
         cells = [str(turn.seq), turn.session, str(turn.step), "yes" if turn.rewrote else ""]
@@ -183,3 +201,43 @@ def write_rows(path: Path, rows: list[Row]) -> None:
     with path.open("w", encoding="utf-8") as out:
         for row in rows:
             out.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def render(directory: Path, scenario: str, baseline: str | None = None) -> str:
+    """Write table.md and ttft.png from ``directory/rows.jsonl``; return the table."""
+    rows = [json.loads(line) for line in
+            (directory / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    summaries = summarize(rows)
+    table = markdown(scenario, summaries, baseline or rows[0]["baseline"])
+    (directory / "table.md").write_text(table, encoding="utf-8")
+    plot(directory / "ttft.png", scenario, rows, summaries)
+    return table
+
+
+def summary_block(table: str) -> str:
+    """The summary table of ``table``, between markers so RUN.md can be re-rendered."""
+    summary = table.split("\n## Per turn")[0].split("\n", 2)[2].strip()
+    return f"{SUMMARY_START}\n{summary}\n{SUMMARY_END}"
+
+
+SUMMARY_START, SUMMARY_END = "<!-- summary -->", "<!-- /summary -->"
+
+
+def main(argv: list[str]) -> int:
+    for name in argv:
+        directory = Path(name)
+        run_md = directory / "RUN.md"
+        table = render(directory, directory.name)
+        text = run_md.read_text(encoding="utf-8")
+        if SUMMARY_START in text:
+            head, rest = text.split(SUMMARY_START, 1)
+            text = head + summary_block(table) + rest.split(SUMMARY_END, 1)[1]
+            run_md.write_text(text, encoding="utf-8")
+        print(f"re-rendered {directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -11,12 +11,14 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 
 from bench.clients.base import Request, chat_body
-from bench.report import summarize
+from bench.report import main as report_main
+from bench.report import render, summarize, summary_block, write_rows
 from bench.runner import send_turn
 
 
@@ -104,19 +106,21 @@ def test_a_fast_answer_is_not_resent() -> None:
     assert 0.05 <= ttft < 1.0
 
 
-def _row(arm: str, rep: int, seq: int, ttft: float) -> dict[str, object]:
+def _row(arm: str, rep: int, seq: int, ttft: float, wall: float = 1.0) -> dict[str, object]:
     return {"arm": arm, "rep": rep, "seq": seq, "session": "s", "step": seq, "rewrote": False,
             "ttft_ms": ttft, "prompt_tokens": 100, "cached_tokens": 50, "prefill_ms": 1.0,
-            "attempts": 1, "engine_prompt_tokens": 10}
+            "attempts": 1, "engine_prompt_tokens": 10, "rep_wall_ms": wall}
 
 
 def test_report_sums_per_turn_medians_not_means() -> None:
     """An outlier rep moves a mean but not the median of a turn."""
-    rows = [_row("a", rep, seq, ttft) for rep, seq, ttft in [
+    walls = {0: 1000.0, 1: 3000.0, 2: 2000.0}
+    rows = [_row("a", rep, seq, ttft, walls[rep]) for rep, seq, ttft in [
         (0, 0, 100), (1, 0, 110), (2, 0, 9000), (0, 1, 10), (1, 1, 12), (2, 1, 11)]]
     rows += [_row("b", rep, seq, 50) for rep in range(3) for seq in range(2)]
-    summaries = summarize(rows, {"a": [1000, 3000, 2000], "b": [500, 500, 500]})
+    summaries = summarize(rows)
     assert summaries["a"].summed_ttft_ms == pytest.approx(110 + 11)
+    assert summaries["a"].summed_prefill_ms == pytest.approx(2.0)
     assert summaries["a"].wall_ms == 2000
     assert summaries["b"].summed_ttft_ms == 100
     assert summaries["a"].engine_prompt_tokens == 20
@@ -126,13 +130,30 @@ def test_report_sums_per_turn_medians_not_means() -> None:
 def test_flat_line_ratio_only_for_one_session() -> None:
     """last / second turn TTFT is reported for a session, not across interleaved ones."""
     rows = [_row("a", 0, seq, ttft) for seq, ttft in enumerate([900.0, 100.0, 150.0])]
-    assert summarize(rows, {"a": [1.0]})["a"].flatness == pytest.approx(1.5)
+    assert summarize(rows)["a"].flatness == pytest.approx(1.5)
     rows[2]["session"] = "other"
-    assert summarize(rows, {"a": [1.0]})["a"].flatness is None
+    assert summarize(rows)["a"].flatness is None
 
 
 def test_a_failed_turn_does_not_break_the_medians() -> None:
     """A turn with no TTFT in one rep takes the median of the reps that answered."""
     rows = [_row("a", 0, 0, 100.0), _row("a", 1, 0, 300.0), _row("a", 2, 0, 200.0)]
     rows[1]["ttft_ms"] = None
-    assert summarize(rows, {"a": [1.0]})["a"].summed_ttft_ms == pytest.approx(150.0)
+    assert summarize(rows)["a"].summed_ttft_ms == pytest.approx(150.0)
+
+
+def test_results_render_from_rows_and_rerender_run_md(tmp_path: Path) -> None:
+    """table.md, ttft.png and RUN.md's summary come from rows.jsonl and can be redone."""
+    rows = [dict(_row(arm, rep, seq, 100.0 * (seq + 1)), baseline="a")
+            for arm in ("a", "b") for rep in range(2) for seq in range(3)]
+    write_rows(tmp_path / "rows.jsonl", rows)
+    table = render(tmp_path, "demo")
+    assert "| a | 2 | 0.60 | 1.00 |" in table
+    assert (tmp_path / "ttft.png").read_bytes().startswith(b"\x89PNG")
+    old = summary_block("# title\n\nold summary")
+    (tmp_path / "RUN.md").write_text(f"# Run\n\n{old}\n\nafter\n")
+    assert report_main([str(tmp_path)]) == 0
+    run_md = (tmp_path / "RUN.md").read_text()
+    assert "| b | 2 | 0.60 | 1.00 |" in run_md
+    assert "old summary" not in run_md
+    assert run_md.endswith("\n\nafter\n")
