@@ -355,7 +355,10 @@ class _Client:
     @contextlib.contextmanager
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[httpx.Response]:
         try:
-            with self.http.stream("POST", path, json=body) as response:
+            # llama-server closes the connection after a stream; a pooled reuse of it
+            # would fail the next request with "Server disconnected".
+            with self.http.stream("POST", path, json=body,
+                                  headers={"Connection": "close"}) as response:
                 yield response
         except httpx.TransportError as exc:
             raise UpstreamUnavailableError(f"{self.http.base_url}{path}: {exc}") from exc
@@ -554,7 +557,11 @@ def _flag_evidence(obs: Observations, key: str) -> str:
     if flags is None or flags.value(key) is None:
         return ""
     if flags.is_set(key):
-        return f"{FLAG_SPECS[key].names[-1]} {flags.value(key)} on the {flags.source}"
+        spec, value = FLAG_SPECS[key], flags.value(key)
+        if spec.kind in ("bool", "switch"):
+            given = spec.names[-1] if value else (spec.negs or spec.names)[-1]
+            return f"{given}{'' if value or spec.negs else ' off'} on the {flags.source}"
+        return f"{spec.names[-1]} {value} on the {flags.source}"
     return f"not on the {flags.source}: this build's default is {flags.value(key)}"
 
 

@@ -1,0 +1,166 @@
+"""``prefixpin doctor`` against real llama-servers started with good and with bad flags.
+
+Every server is small (SmolLM2-135M or Gemma 3 270M, a few thousand tokens of context)
+and each test reads its verdict through the real command line (``prefixpin doctor
+--json``). Most checks run twice: from HTTP and probes alone (``--no-local``, as when
+llama-server runs in a container or on another host) and with the server's command line
+read from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.cli import main
+from proxy.rig.llama_build import ensure_llama_server
+from proxy.rig.llama_process import LlamaServerProcess, free_port, stop, wait_healthy
+from proxy.rig.models import ensure_model
+
+pytestmark = pytest.mark.llama
+
+GOOD_FLAGS = ["-np", "2", "-c", "1024", "--metrics", "--slot-save-path", "{tmp}"]
+SMALL = ("--min-ctx", "512")  # the test servers keep 512 tokens per slot
+
+
+@contextmanager
+def llama_server(model: str, flags: list[str]) -> Iterator[LlamaServerProcess]:
+    """llama-server with exactly ``flags`` (``{tmp}`` becomes a fresh directory): the
+    rig's launcher always adds --metrics, which one test must leave out."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="prefixpin-doctor-") as tmp:
+        command = ["nice", "-n", "10", str(ensure_llama_server()), "-m", str(ensure_model(model)),
+                   "--host", "127.0.0.1", "--port", str(port), "-t", str(os.cpu_count() or 2),
+                   "--no-webui", *(f.replace("{tmp}", tmp) for f in flags)]
+        log_path = Path(tmp) / "llama-server.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
+        handle = LlamaServerProcess(f"http://127.0.0.1:{port}", port, process, log_path, None,
+                                    tuple(command))
+        try:
+            wait_healthy(handle, 120)
+            yield handle
+        finally:
+            stop(handle)
+
+
+def doctor(capsys: pytest.CaptureFixture[str], url: str, *flags: str) -> tuple[int, dict[str, Any]]:
+    code = main(["doctor", "--upstream", url, "--json", *flags])
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == code
+    return code, report
+
+
+def by_key(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["key"]: f for f in report["findings"]}
+
+
+def problems(report: dict[str, Any]) -> dict[str, str]:
+    """flag -> finding key of every problem."""
+    return {f["flag"]: f["key"] for f in report["findings"] if f["status"] == "problem"}
+
+
+def test_good_flags_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    with llama_server("smollm2", GOOD_FLAGS) as llama:
+        code, local = doctor(capsys, llama.url, *SMALL)
+        remote_code, remote = doctor(capsys, llama.url, *SMALL, "--no-local",
+                                     "--probe-context-shift")
+        text_code = main(["doctor", "--upstream", llama.url, *SMALL, "--no-probe"])
+        text = capsys.readouterr().out
+    assert code == 0, problems(local)
+    assert remote_code == 0, problems(remote)
+    assert text_code == 0
+    assert "Nothing found that defeats prompt caching" in text
+    findings = by_key(local)
+    for key in ("metrics", "slots-endpoint", "slot-save-path", "cache-prompt", "np-unified-idle",
+                "swa-full", "context-shift", "return-progress", "slot-context"):
+        assert findings[key]["status"] == "ok", findings[key]
+    assert "command line of process" in findings["context-shift"]["evidence"]
+    # Over HTTP, only a request that fills a slot shows context shift (opt-in).
+    assert "stopped there" in by_key(remote)["context-shift"]["evidence"]
+    assert by_key(remote)["np-unified-idle"]["status"] == "ok"  # seen by the probe
+    command = local["recommended_command"]
+    assert {"--metrics", "--slot-save-path", "-np"} <= set(command)
+    assert "--swa-full" not in command  # SmolLM2 is full attention (read from its GGUF)
+
+
+def test_bad_flags_are_each_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """-np auto (4 unified slots) with idle-slot caching and a 1 MiB --cache-ram, no
+    --metrics, no --slot-save-path, 2048 tokens per slot."""
+    with llama_server("smollm2", ["-np", "-1", "-c", "2048", "--cache-ram", "1"]) as llama:
+        remote_code, remote = doctor(capsys, llama.url, "--no-local")
+        code, local = doctor(capsys, llama.url, "--no-probe")
+        text_code = main(["doctor", "--upstream", llama.url, "--no-probe"])
+        text = capsys.readouterr().out
+    for report in (remote, local):
+        named = problems(report)
+        assert {"--metrics", "--slot-save-path", "-np auto", "-c"} <= set(named), named
+        idle = by_key(report)["np-unified-idle"]
+        assert "here idle sessions are lost" in idle["summary"]
+        assert "came back" not in idle["evidence"]
+    assert remote_code == code == 1
+    assert "emptied idle slot" in by_key(remote)["np-unified-idle"]["evidence"]
+    assert "--cache-ram 1 on the command line" in by_key(local)["np-unified-idle"]["evidence"]
+    assert text_code == 1
+    for flag in ("--metrics", "--slot-save-path", "-np auto", "-c "):
+        assert f"PROBLEM  {flag}" in text
+    command = local["recommended_command"]
+    assert command[command.index("-np") + 1] == "4"
+    assert "--metrics" in command
+
+
+def test_cache_prompt_off_and_context_shift_on_are_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["-np", "2", "-c", "512", "--metrics", "--slot-save-path", "{tmp}",
+             "--no-cache-prompt", "--context-shift"]
+    with llama_server("smollm2", flags) as llama:
+        remote_code, remote = doctor(capsys, llama.url, "--no-local", "--min-ctx", "256",
+                                     "--probe-context-shift")
+        code, local = doctor(capsys, llama.url, "--min-ctx", "256", "--no-probe")
+    assert remote_code == code == 1
+    for report in (remote, local):
+        assert problems(report) == {"--no-cache-prompt": "cache-prompt",
+                                    "--context-shift": "context-shift"}
+    assert "kept generating" in by_key(remote)["context-shift"]["evidence"]
+    assert "--context-shift on the command line" in by_key(local)["context-shift"][
+        "evidence"]
+    assert "recomputed" in by_key(remote)["cache-prompt"]["evidence"]
+    # With caching off no rollback probe runs; the GGUF still says full attention.
+    assert by_key(remote)["swa-full"]["status"] == "ok"
+
+
+def test_gemma3_needs_swa_full(capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma 3 is a sliding-window model: without --swa-full a prompt sharing only a
+    prefix with the slot's is re-read in full; with it the prefix is reused."""
+    with llama_server("gemma3", GOOD_FLAGS) as llama:
+        remote_code, remote = doctor(capsys, llama.url, "--no-local", *SMALL)
+        code, local = doctor(capsys, llama.url, *SMALL, "--no-probe")
+    assert remote_code == code == 1
+    for report in (remote, local):
+        assert problems(report) == {"--swa-full": "swa-full"}, problems(report)
+        assert "gemma3 uses sliding-window attention (512 tokens)" in by_key(report)[
+            "swa-full"]["summary"]
+        assert "--swa-full" in report["recommended_command"]
+    assert "reused none of them" in by_key(remote)["swa-full"]["evidence"]
+    assert "command line" in by_key(local)["swa-full"]["evidence"]
+
+    with llama_server("gemma3", [*GOOD_FLAGS, "--swa-full"]) as llama:
+        code, report = doctor(capsys, llama.url, "--no-local", *SMALL)
+    assert code == 0, problems(report)
+    assert "reused them" in by_key(report)["swa-full"]["evidence"]
+
+
+def test_unreachable_upstream_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = doctor(capsys, f"http://127.0.0.1:{free_port()}")
+    assert code == 2
+    assert not report["reachable"]
+    assert report["error"]
