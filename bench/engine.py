@@ -65,6 +65,17 @@ class ManagedProcess:
             process.kill()
             process.wait(timeout=15)
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the process has used so far (Linux /proc), if running."""
+        if self._process is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            return None
+        utime, stime = fields.split()[11:13]  # fields 14 and 15 of proc(5)
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
     def restart(self) -> None:
         self.stop()
         self.start()

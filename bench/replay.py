@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,15 +86,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What is read around every turn: engine counters and CPU time of managed processes."""
+
+    counters: dict[str, float]
+    engine_cpu_s: float | None
+    arm_cpu_s: float | None
+
+
+def snapshot(rig: Rig, arm: Arm) -> Snapshot:
+    return Snapshot(rig.engine.counters(),
+                    rig.llama.cpu_seconds() if rig.llama else None,
+                    arm.process.cpu_seconds() if arm.process else None)
+
+
 async def run_rep(arm: Arm, rep: int, order: int, scenario: Scenario, requests: list[Request],
-                  observed: list[Observed], engine: EngineAPI) -> tuple[list[report.Row], float]:
+                  observed: list[Observed], rig: Rig) -> tuple[list[report.Row], float]:
     rows = []
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
         started = time.perf_counter()
         for seq, (request, seen) in enumerate(zip(requests, observed, strict=True)):
-            before = engine.counters()
+            before = snapshot(rig, arm)
             turn = await send_turn(client, arm.url, request)
-            after = engine.counters()
+            after = snapshot(rig, arm)
             row = turn_row(scenario.name, arm.name, rep, order, seq, request, seen, turn,
                            before, after)
             rows.append(row)
@@ -103,8 +119,7 @@ async def run_rep(arm: Arm, rep: int, order: int, scenario: Scenario, requests: 
 
 
 def turn_row(scenario: str, arm: str, rep: int, order: int, seq: int, request: Request,
-             seen: Observed, turn: Turn, before: dict[str, float],
-             after: dict[str, float]) -> report.Row:
+             seen: Observed, turn: Turn, before: Snapshot, after: Snapshot) -> report.Row:
     final = turn.final.observation
     usage = final.usage or {}
     timings = final.timings or {}
@@ -128,11 +143,17 @@ def turn_row(scenario: str, arm: str, rep: int, order: int, seq: int, request: R
         "cached_tokens": cached,
         "cache_n": timings.get("cache_n"), "prompt_n": timings.get("prompt_n"),
         "prefill_ms": timings.get("prompt_ms"),
-        "engine_prompt_tokens": after[processed] - before[processed]
-        if processed in before and processed in after else None,
+        "engine_prompt_tokens": after.counters[processed] - before.counters[processed]
+        if processed in before.counters and processed in after.counters else None,
+        "engine_cpu_ms": _cpu_ms(before.engine_cpu_s, after.engine_cpu_s),
+        "arm_cpu_ms": _cpu_ms(before.arm_cpu_s, after.arm_cpu_s),
         "comments": final.comments, "progress_chunks": final.progress_chunks,
         "output": "".join(final.text)[:60],
     }
+
+
+def _cpu_ms(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round((after - before) * 1000)
 
 
 def _progress(row: report.Row) -> None:
@@ -197,7 +218,7 @@ def run(args: argparse.Namespace, argv: list[str], scenario: Scenario,
                 rig.reset_for(arm)
                 print(f"{scenario.name}: rep {rep} arm {arm.name}", file=sys.stderr)
                 arm_rows, wall = asyncio.run(run_rep(arm, rep, order, scenario, requests,
-                                                     observed, engine))
+                                                     observed, rig))
                 for row in arm_rows:
                     row.update(rep_wall_ms=round(wall, 1), baseline=baseline)
                 rows += arm_rows

@@ -55,6 +55,7 @@ class ArmSummary:
     prompt_tokens: float
     cached_tokens: float
     engine_prompt_tokens: float | None  # median over reps of tokens the engine prefilled
+    arm_cpu_s: float | None  # median over reps of the CPU time of a proxy the run started
 
     @property
     def reuse(self) -> float:
@@ -95,7 +96,8 @@ def summarize(rows: list[Row]) -> dict[str, ArmSummary]:
             wall_ms=_median(walls.values()),
             prompt_tokens=sum(t.prompt_tokens for t in turns),
             cached_tokens=sum(t.cached_tokens for t in turns),
-            engine_prompt_tokens=_engine_tokens(arm_rows))
+            engine_prompt_tokens=_per_rep_sum(arm_rows, "engine_prompt_tokens"),
+            arm_cpu_s=_ms_to_s(_per_rep_sum(arm_rows, "arm_cpu_ms")))
     return summaries
 
 
@@ -110,13 +112,18 @@ def _turn_median(seq: int, rows: list[Row]) -> TurnMedian:
         attempts=_median(r["attempts"] for r in rows))
 
 
-def _engine_tokens(rows: list[Row]) -> float | None:
+def _per_rep_sum(rows: list[Row], key: str) -> float | None:
+    """Median over reps of a rep's total of ``key`` (None when some row lacks it)."""
     per_rep: dict[int, float] = defaultdict(float)
     for row in rows:
-        if row.get("engine_prompt_tokens") is None:
+        if row.get(key) is None:
             return None
-        per_rep[row["rep"]] += row["engine_prompt_tokens"]
+        per_rep[row["rep"]] += row[key]
     return _median(per_rep.values()) if per_rep else None
+
+
+def _ms_to_s(value: float | None) -> float | None:
+    return None if value is None else value / 1000
 
 
 def markdown(scenario: str, summaries: dict[str, ArmSummary], baseline: str) -> str:
@@ -126,17 +133,18 @@ def markdown(scenario: str, summaries: dict[str, ArmSummary], baseline: str) -> 
              "(below 1 is faster).", "",
              "| arm | reps | summed TTFT (s) | ratio | end-to-end (s) | ratio | "
              "cached / prompt tokens | engine prefilled tokens | engine prefill (s) | "
-             "TTFT - prefill (s) | last / 2nd turn TTFT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT - prefill (s) | proxy CPU (s) | last / 2nd turn TTFT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summaries.items():
         engine = "n/a" if s.engine_prompt_tokens is None else f"{s.engine_prompt_tokens:.0f}"
         flat = "n/a" if s.flatness is None else f"{s.flatness:.2f}"
+        cpu = "n/a" if s.arm_cpu_s is None else f"{s.arm_cpu_s:.2f}"
         lines.append(
             f"| {arm} | {s.reps} | {s.summed_ttft_ms / 1000:.2f} | "
             f"{s.summed_ttft_ms / base.summed_ttft_ms:.2f} | {s.wall_ms / 1000:.2f} | "
             f"{s.wall_ms / base.wall_ms:.2f} | {s.cached_tokens:.0f} / {s.prompt_tokens:.0f} "
             f"({100 * s.reuse:.0f}%) | {engine} | {s.summed_prefill_ms / 1000:.2f} | "
-            f"{(s.summed_ttft_ms - s.summed_prefill_ms) / 1000:.2f} | {flat} |")
+            f"{(s.summed_ttft_ms - s.summed_prefill_ms) / 1000:.2f} | {cpu} | {flat} |")
     lines += ["", "## Per turn", "", _turn_header(summaries), _turn_rule(summaries)]
     for index, turn in enumerate(base.turns):
         cells = [str(turn.seq), turn.session, str(turn.step), "yes" if turn.rewrote else ""]
