@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
+from adapters.base import EngineInfo
 from fingerprint import Chain, nominates, shared_leading
 from proxy.history import Committed, Verdict, decide, digest
 from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
@@ -77,7 +78,7 @@ class AffinityPlanner:
         plan.extras["chain"] = decision.chain
         return plan
 
-    def on_lease(self, plan: Plan, lease: Lease) -> None:
+    async def on_lease(self, plan: Plan, lease: Lease) -> None:
         """A slot that last held another tenant's history, or one the proxy knows nothing
         about (it restarted), is never read from cache: no tenant learns anything from
         another's cached prefix, not even its length."""
@@ -97,6 +98,16 @@ class AffinityPlanner:
             plan.body["cache_prompt"] = False
             plan.notes["cache"] = "blocked: slot contents unknown"
         self.pool.mark_known(lease.slot)
+
+    async def engine_restarted(self, before: EngineInfo, after: EngineInfo) -> None:
+        """Every slot is empty now: no session is in a slot until bytes decide again."""
+        if after.n_slots != len(self.pool.entries):
+            self.pool.resize(after.n_slots)
+        self.pool.reset()
+        for session in self.store:
+            session.slot = None
+            session.last_decision = "unverified"
+            session.last_reason = "engine restarted"
 
     def commit(self, plan: Plan, outcome: Outcome) -> None:
         session = self.store.get(plan.session) if plan.session else None

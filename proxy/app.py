@@ -33,6 +33,7 @@ from proxy.placement import SlotPool
 from proxy.service import Backend, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
+from proxy.watch import watch_engine
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
@@ -187,10 +188,12 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     pool = SlotPool(info.n_slots)
     service.pool = pool
-    service.planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger)
+    planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger)
+    service.planner = planner
     log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
               implicit=fingerprinter is not None)
     first_probe.set()
+    await watch_engine(service, settings.health_interval_s, logger, [planner.engine_restarted])
 
 
 async def _open_adapter(settings: Settings,

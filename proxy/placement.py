@@ -92,6 +92,10 @@ class SlotPool:
             entry.occupant, entry.kind, entry.tokens = None, None, 0
         self._known.clear()
 
+    def resize(self, n_slots: int) -> None:
+        """The engine came back with another slot count (only called between requests)."""
+        self.entries = [SlotEntry(i) for i in range(n_slots)]
+
     def known(self, slot: int) -> bool:
         return slot in self._known
 

@@ -71,8 +71,9 @@ class Outcome:
 class Planner(Protocol):
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan: ...
 
-    def on_lease(self, plan: Plan, lease: Lease) -> None:
-        """Called when the plan's slot lease is granted, before the request is sent."""
+    async def on_lease(self, plan: Plan, lease: Lease) -> None:
+        """Called when the plan's slot lease is granted, before the request is sent (a
+        parked session is restored into the slot here)."""
 
     def commit(self, plan: Plan, outcome: Outcome) -> None: ...
 
@@ -83,7 +84,7 @@ class PassThroughPlanner:
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
         return Plan(path=client.path, body=client.body)
 
-    def on_lease(self, plan: Plan, lease: Lease) -> None:
+    async def on_lease(self, plan: Plan, lease: Lease) -> None:
         return None
 
     def commit(self, plan: Plan, outcome: Outcome) -> None:
@@ -195,7 +196,7 @@ class ProxyService:
             generation.waiting = None
             self.metrics.queue_wait.observe(time.monotonic() - waited)
             plan.slot = lease.slot
-            self.planner.on_lease(plan, lease)
+            await self.planner.on_lease(plan, lease)
             call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
             async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
                 yield upstream

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(900.0, gt=0)
     probe_timeout_s: float = Field(5.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0, description="Engine probe interval (restarts)")
 
     # Rollback switches: each feature is an A/B arm of the same binary.
     affinity: bool = True
