@@ -61,6 +61,11 @@ class Generation:
         self._subscribers = 0
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
+        self._done_callbacks: list[Callable[[Generation], None]] = []
+
+    def on_done(self, callback: Callable[[Generation], None]) -> None:
+        """Run ``callback`` when the generation finishes (after the figures are recorded)."""
+        self._done_callbacks.append(callback)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="prefixpin-generation")
@@ -164,6 +169,8 @@ class Generation:
         self._notify()
         if self._on_finish is not None:
             self._on_finish(self)
+        for callback in self._done_callbacks:
+            callback(self)
 
 
 class Subscriber:

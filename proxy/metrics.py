@@ -47,6 +47,9 @@ class Metrics:
                                      ["upstream", "cause"], registry=r)
         self.upstream_up = Gauge("prefixpin_upstream_up", "1 when the engine answered its probe",
                                  ["upstream"], registry=r)
+        self.joins = Counter("prefixpin_inflight_joins",
+                             "Requests that joined an identical generation already running",
+                             ["endpoint"], registry=r)
         self.queue_wait = Histogram("prefixpin_queue_wait_seconds",
                                     "Time a request waited for its engine slot",
                                     buckets=SECONDS_BUCKETS, registry=r)

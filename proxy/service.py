@@ -26,6 +26,8 @@ from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
 from proxy.errors import ClientError, GenerationCancelledError, ProxyError, QueueTimeoutError
 from proxy.figures import Figures, figures_from
 from proxy.generation import Generation
+from proxy.identity import namespace_of
+from proxy.inflight import InFlight, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
 from proxy.placement import Lease, SlotPool, Want
@@ -135,6 +137,7 @@ class ProxyService:
         self.ledger = SlotLedger()
         self.log = logger or get_logger()
         self.generations: set[Generation] = set()
+        self.inflight = InFlight()
         self._background: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -144,12 +147,30 @@ class ProxyService:
                                   self.settings.max_body_bytes)
             client = parse_request(raw, endpoint, request.url.path,
                                    max_messages=self.settings.max_messages)
+            key = inflight_key(namespace_of(request.headers), endpoint, client.body)
+            running = self.inflight.find(key)
+            if running is not None:
+                return await self._join(request, client, running, arrival)
             plan = await self.planner.plan(client, request, self.backend)
         except ProxyError as exc:
             self.metrics.requests.labels(endpoint, _outcome(exc)).inc()
             raise
         plan.headers = {**_forwarded_headers(request.headers), **plan.headers}
         generation = self._start(plan, client, arrival)
+        self.inflight.add(key, generation)
+        generation.on_done(lambda g: self.inflight.remove(key, g))
+        return await respond(
+            request, client, generation, arrival=arrival,
+            first_byte_s=self.settings.first_byte_ms / 1000,
+            heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
+        )
+
+    async def _join(self, request: Request, client: ClientRequest, generation: Generation,
+                    arrival: float) -> Response:
+        """Attach to the identical generation already running: no second engine request."""
+        self.metrics.joins.labels(client.endpoint).inc()
+        log_event(self.log, logging.INFO, "joined in flight", endpoint=client.endpoint,
+                  stream=client.stream, frames_so_far=len(generation.frames))
         return await respond(
             request, client, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
