@@ -410,7 +410,8 @@ class _Prober:
         holder = self.first
         if self.second != self.first:
             self._cached(second, self.second)
-            r.idle_slots_cleared = self._slot_tokens(self.first) == 0
+            left = self._slot_tokens(self.first)
+            r.idle_slots_cleared = None if left is None else left == 0
             if r.idle_slots_cleared and r.cache_prompt:
                 # The second slot holds another prompt: llama-server saves it to host RAM
                 # and looks the request up there (the pinned slot is not empty).
@@ -562,7 +563,8 @@ def _flag_evidence(obs: Observations, key: str) -> str:
             given = spec.names[-1] if value else (spec.negs or spec.names)[-1]
             return f"{given}{'' if value or spec.negs else ' off'} on the {flags.source}"
         return f"{spec.names[-1]} {value} on the {flags.source}"
-    return f"not on the {flags.source}: this build's default is {flags.value(key)}"
+    return (f"{FLAG_SPECS[key].names[-1]} not on the {flags.source}: this build's default "
+            f"is {flags.value(key)}")
 
 
 def _join(*parts: str) -> str:
@@ -744,9 +746,13 @@ def _context_shift(obs: Observations) -> Finding:
     from_flags = obs.flags.boolean("ctx_shift") if obs.flags else None
     probed = obs.probes.context_shift if obs.probes else None
     on = from_flags if from_flags is not None else probed
-    evidence = _flag_evidence(obs, "ctx_shift") if from_flags is not None else (
-        "a request filling its slot to the end kept generating" if probed else
-        "a request filling its slot to the end stopped there") if probed is not None else ""
+    if from_flags is not None:
+        evidence = _flag_evidence(obs, "ctx_shift")
+    elif probed is not None:
+        ending = "kept generating" if probed else "stopped there"
+        evidence = f"a request filling its slot to the end {ending}"
+    else:
+        evidence = ""
     fix = "remove --context-shift (or add --no-context-shift)"
     if on is None:
         return Finding("context-shift", "unknown", "--context-shift",
@@ -817,8 +823,9 @@ def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]
     flags = obs.flags
     model = (flags.value("model") if flags else None) or obs.props.get("model_path") or "MODEL.gguf"
     parts = urlsplit(obs.upstream)
-    host = str(flags.value("host") or "127.0.0.1") if flags and flags.is_set("host") \
-        else parts.hostname or "127.0.0.1"
+    loopback = parts.hostname in ("127.0.0.1", "localhost", "::1")
+    host = str(flags.value("host")) if flags and flags.is_set("host") \
+        else "127.0.0.1" if loopback else "0.0.0.0"
     port = str(flags.value("port") if flags and flags.is_set("port") else parts.port or 8080)
     slots = obs.total_slots
     unified = bool(flags and (flags.boolean("kv_unified") or (flags.number("n_parallel") or 0) < 0))
