@@ -28,12 +28,14 @@ from starlette.requests import Request
 
 from adapters.base import EngineInfo
 from fingerprint import Chain, nominates, shared_leading
+from proxy.errors import ProxyError
 from proxy.history import Committed, Verdict, decide, digest
 from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
 from proxy.implicit import Fingerprinter
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.placement import Lease, SlotPool, Want
+from proxy.repair import Applied, Repairer, RepairMemory
 from proxy.service import Backend, Outcome, Plan
 from proxy.sessions import Kind, Session, SessionStore, TurnFigures
 from proxy.validation import ClientRequest
@@ -51,24 +53,39 @@ class Decision:
     session: Session
     verdict: Verdict | None  # for a new history: the best decline, if any candidate
     chain: Chain | None
+    body: Mapping[str, Any] | None = None  # the body to forward, when repair changed it
+    repairs: tuple[Applied, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A candidate's verdict, and the body it holds for (repaired or as it came)."""
+
+    verdict: Verdict
+    body: Mapping[str, Any]
+    repairs: tuple[Applied, ...] = ()
+    cut_moved: bool = False
 
 
 class AffinityPlanner:
     def __init__(self, store: SessionStore, pool: SlotPool, metrics: Metrics,
-                 fingerprinter: Fingerprinter | None, logger: logging.Logger) -> None:
+                 fingerprinter: Fingerprinter | None, logger: logging.Logger,
+                 repairer: Repairer | None = None, budget_tokens: int | None = None) -> None:
         self.store = store
         self.pool = pool
         self.metrics = metrics
         self.fingerprinter = fingerprinter
         self.log = logger
+        self.repairer = repairer
+        self.budget_tokens = budget_tokens
 
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
         namespace = namespace_of(request.headers)
         identity = explicit_identity(client.body, request.headers)
-        decision = await self._decide(client, namespace, identity)
+        decision = await self._decide(client, namespace, identity, backend)
         session = decision.session
         self._observe(decision, backend.label)
-        body = dict(client.body)
+        body = dict(decision.body if decision.body is not None else client.body)
         preferred = self.pool.holder_of(session.id)
         notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
                                  "reason": session.last_reason, "namespace": namespace,
@@ -76,6 +93,8 @@ class AffinityPlanner:
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens))
         plan.extras["chain"] = decision.chain
+        if decision.repairs:
+            notes["repairs"] = [r.line() for r in decision.repairs]
         return plan
 
     async def on_lease(self, plan: Plan, lease: Lease) -> None:
@@ -124,6 +143,9 @@ class AffinityPlanner:
         session.committed = (Committed.of_chat(body) if "messages" in body
                              else Committed.of_completion(body))
         session.chain = plan.extras.get("chain") or session.chain
+        if outcome.reply is not None:
+            memory = session.pinned.setdefault("repair", RepairMemory())
+            memory.last_reply = dict(outcome.reply)
         session.prompt_tokens = figures.prompt_tokens or 0
         session.slot = plan.slot
         self.store.touch(session)
@@ -134,7 +156,7 @@ class AffinityPlanner:
             sum(1 for e in self.pool.entries if e.occupant is not None))
 
     async def _decide(self, client: ClientRequest, namespace: str,
-                      identity: ExplicitIdentity | None) -> Decision:
+                      identity: ExplicitIdentity | None, backend: Backend) -> Decision:
         body = client.body
         messages: Sequence[Mapping[str, Any]] = body.get("messages") or []
         digests = [digest(m) for m in messages]
@@ -145,31 +167,72 @@ class AffinityPlanner:
         else:
             candidates = self._nominated(namespace, chain, digests, body.get("prompt"))
             tier = "implicit" if candidates else "none"
-        best_decline: tuple[Session, Verdict] | None = None
+        best_decline: tuple[Session, Match] | None = None
         for candidate in candidates:
             if candidate.committed is None:
                 continue
-            verdict = decide(candidate.committed, body, digests)
-            if verdict.resumable:
-                return self._resume(candidate, tier, verdict, chain)
-            if best_decline is None or (verdict.index or 0) > (best_decline[1].index or 0):
-                best_decline = (candidate, verdict)
-        if best_decline is not None and tier == "explicit" and (best_decline[1].index or 0) >= 1:
-            return self._rewind(*best_decline, tier, chain)
+            match = await self._match(candidate, body, digests, backend)
+            if match.verdict.resumable:
+                return self._resume(candidate, tier, match, chain)
+            if match.cut_moved:
+                return self._rewind(candidate, match, tier, chain,
+                                    "the budget cut point moved")
+            if best_decline is None or (match.verdict.index or 0) > (
+                    best_decline[1].verdict.index or 0):
+                best_decline = (candidate, match)
+        if best_decline is not None and tier == "explicit" and (
+                best_decline[1].verdict.index or 0) >= 1:
+            return self._rewind(*best_decline, tier, chain, "the engine reuses the shared prefix")
         session = self._new(namespace, identity, client, tier)
         if best_decline is None:
             session.last_decision, session.last_reason = "new", "no candidate"
             return Decision(tier, "new", session, None, chain)
-        declined, verdict = best_decline
+        declined, match = best_decline
         session.last_decision = "declined"
-        session.last_reason = f"declined {declined.id}: {verdict.reason()}"
-        return Decision(tier, "new", session, verdict, chain)
+        session.last_reason = f"declined {declined.id}: {match.verdict.reason()}"
+        return Decision(tier, "new", session, match.verdict, chain)
+
+    async def _match(self, session: Session, body: Mapping[str, Any],
+                     digests: Sequence[bytes], backend: Backend) -> Match:
+        """Bytes decide, after repair: the incoming body as it came, else repaired back to
+        the session's committed history, else (templates that drop what the client
+        rewrote) the rendered prompts compared."""
+        committed = session.committed
+        assert committed is not None
+        plain = decide(committed, body, digests)
+        if plain.resumable or self.repairer is None or committed.prompt is not None:
+            return Match(plain, body)
+        memory = session.pinned.setdefault("repair", RepairMemory())
+        repaired = self.repairer.repair(committed.messages, committed.body or {}, body, memory,
+                                        self.budget_tokens)
+        verdict = decide(committed, repaired.body) if repaired.changed else plain
+        if verdict.resumable or repaired.cut_moved:
+            return Match(verdict, repaired.body, tuple(repaired.applied), repaired.cut_moved)
+        if await self._rendered_extends(committed, body, backend):
+            return Match(Verdict(True, committed_messages=len(committed.messages)), body)
+        return Match(plain, body)
+
+    async def _rendered_extends(self, committed: Committed, body: Mapping[str, Any],
+                                backend: Backend) -> bool:
+        """Bytes means the rendered prompt: a client rewrite the template does not render
+        (reasoning a template drops) leaves the engine's prompt an extension."""
+        adapter = backend.adapter
+        if not adapter.capabilities.render or committed.body is None:
+            return False
+        try:
+            before = await adapter.apply_template(committed.body)
+            after = await adapter.apply_template(body)
+        except ProxyError:
+            return False
+        return bool(before) and after.startswith(before) and after != before
 
     async def _chain(self, client: ClientRequest, messages: Sequence[Mapping[str, Any]]
                      ) -> Chain | None:
         if self.fingerprinter is None:
             return None
         if client.endpoint == "chat":
+            if self.repairer is not None:
+                messages = self.repairer.normalize_for_identity(messages)
             return await self.fingerprinter.chain_of_messages(messages)
         prompt = client.body.get("prompt")
         return await self.fingerprinter.chain_of_prompt(prompt) if isinstance(prompt,
@@ -190,19 +253,23 @@ class AffinityPlanner:
         fuzzy.sort(key=lambda s: -shared_leading(chain, s.chain) if s.chain else 0)
         return exact + fuzzy
 
-    def _resume(self, session: Session, tier: Tier, verdict: Verdict,
+    def _resume(self, session: Session, tier: Tier, match: Match,
                 chain: Chain | None) -> Decision:
         session.last_decision = "resumed"
-        session.last_reason = verdict.reason()
+        session.last_reason = match.verdict.reason()
+        if match.repairs:
+            session.last_reason += f" after {len(match.repairs)} repair(s)"
         self.store.touch(session)
-        return Decision(tier, "resumed", session, verdict, chain)
+        return Decision(tier, "resumed", session, match.verdict, chain, match.body,
+                        match.repairs)
 
-    def _rewind(self, session: Session, verdict: Verdict, tier: Tier,
-                chain: Chain | None) -> Decision:
+    def _rewind(self, session: Session, match: Match, tier: Tier, chain: Chain | None,
+                why: str) -> Decision:
         session.last_decision = "rewound"
-        session.last_reason = f"{verdict.reason()}; the engine reuses the shared prefix"
+        session.last_reason = f"{match.verdict.reason()}; {why}"
         self.store.touch(session)
-        return Decision(tier, "rewound", session, verdict, chain)
+        return Decision(tier, "rewound", session, match.verdict, chain, match.body,
+                        match.repairs)
 
     def _new(self, namespace: str, identity: ExplicitIdentity | None, client: ClientRequest,
              tier: Tier) -> Session:
@@ -228,6 +295,10 @@ class AffinityPlanner:
         self.metrics.affinity_decisions.labels(decision.tier, label).inc()
         if decision.verdict is not None and not decision.verdict.resumable:
             self.metrics.affinity_declines.labels(decision.verdict.cause).inc()
+        for repair in decision.repairs:
+            self.metrics.repairs.labels(repair.policy).inc()
+            log_event(self.log, logging.INFO, "repair", session=decision.session.id,
+                      policy=repair.policy, index=repair.index, detail=repair.detail)
         log_event(self.log, logging.INFO, "affinity", tier=decision.tier, decision=label,
                   session=decision.session.id, key=decision.session.key,
                   kind=decision.session.kind, reason=decision.session.last_reason,

@@ -8,6 +8,7 @@ engine) instead of a network connection.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,14 +26,16 @@ from adapters.base import Adapter
 from adapters.llama_server import LlamaServerAdapter
 from proxy.affinity import AffinityPlanner
 from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
-from proxy.implicit import load_fingerprinter
+from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
 from proxy.passthrough import forward
 from proxy.placement import SlotPool
+from proxy.repair import RepairConfig, Repairer
 from proxy.service import Backend, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
+from proxy.tokens import TokenCounter
 from proxy.watch import watch_engine
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -188,7 +191,9 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     pool = SlotPool(info.n_slots)
     service.pool = pool
-    planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger)
+    planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger,
+                              _repairer(settings, fingerprinter, logger),
+                              budget_tokens=info.n_ctx_slot or None)
     service.planner = planner
     log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
               implicit=fingerprinter is not None)
@@ -209,6 +214,20 @@ async def _open_adapter(settings: Settings,
                           n_ctx=settings.ctx_size, n_threads=settings.threads,
                           slot_save_path=settings.slot_dir())
     return await EmbeddedAdapter.open(config, settings.upstream_timeout())
+
+
+def _repairer(settings: Settings, fingerprinter: Fingerprinter | None,
+              logger: logging.Logger) -> Repairer | None:
+    if not settings.repair:
+        log_event(logger, logging.INFO, "repair off", reason="PREFIXPIN_REPAIR=0")
+        return None
+    config = RepairConfig.from_switches(settings.repair_switches(),
+                                        settings.repair_volatile_rules)
+    config = dataclasses.replace(config, budget_fraction=settings.repair_budget)
+    counter = TokenCounter(fingerprinter.tokenizer if fingerprinter else None)
+    log_event(logger, logging.INFO, "repair on", policies=sorted(config.enabled),
+              exact_token_counts=counter.exact)
+    return Repairer(config, counter.count_messages)
 
 
 def _llama_server_adapter(settings: Settings,

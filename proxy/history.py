@@ -47,11 +47,13 @@ class Committed:
     digests: tuple[bytes, ...]
     shape: Shape
     prompt: str | None = None  # /v1/completions: the raw prompt text
+    body: Mapping[str, Any] | None = None  # the forwarded request (to render it again)
 
     @classmethod
     def of_chat(cls, body: Mapping[str, Any]) -> Committed:
         messages = tuple(body.get("messages") or ())
-        return cls(messages, tuple(digest(m) for m in messages), shape_digest(body))
+        kept = {k: v for k, v in body.items() if k in ("messages", *SHAPE_FIELDS)}
+        return cls(messages, tuple(digest(m) for m in messages), shape_digest(body), body=kept)
 
     @classmethod
     def of_completion(cls, body: Mapping[str, Any]) -> Committed:

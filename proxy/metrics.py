@@ -50,6 +50,8 @@ class Metrics:
         self.joins = Counter("prefixpin_inflight_joins",
                              "Requests that joined an identical generation already running",
                              ["endpoint"], registry=r)
+        self.repairs = Counter("prefixpin_repairs",
+                               "History repairs applied, by policy", ["policy"], registry=r)
         self.queue_wait = Histogram("prefixpin_queue_wait_seconds",
                                     "Time a request waited for its engine slot",
                                     buckets=SECONDS_BUCKETS, registry=r)

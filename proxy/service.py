@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
+from proxy.aggregate import aggregate
 from proxy.errors import ClientError, GenerationCancelledError, ProxyError, QueueTimeoutError
 from proxy.figures import Figures, figures_from
 from proxy.generation import Generation
@@ -68,6 +69,7 @@ class Outcome:
     ok: bool
     figures: Figures
     ttft_ms: float | None
+    reply: Mapping[str, Any] | None = None  # the assistant message returned (chat)
 
 
 class Planner(Protocol):
@@ -234,8 +236,10 @@ class ProxyService:
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint).observe(ttft)
+        reply = _reply_of(generation) if outcome == "ok" and client.endpoint == "chat" else None
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
-                                          round(ttft * 1000, 1) if ttft is not None else None))
+                                          round(ttft * 1000, 1) if ttft is not None else None,
+                                          reply))
         record = RequestRecord(plan, client, figures, outcome, ttft,
                                generation.error.message if generation.error else None)
         if plan.slot is None and outcome == "ok" and self.backend.adapter.capabilities.slots:
@@ -295,6 +299,14 @@ class ProxyService:
             self.metrics.cached_fraction.labels(upstream).observe(figures.cached_fraction)
         if figures.prompt_ms is not None:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
+
+
+def _reply_of(generation: Generation) -> Mapping[str, Any] | None:
+    choices = aggregate(generation.frames, chat=True).get("choices") or []
+    if not choices or not isinstance(choices[0].get("message"), Mapping):
+        return None
+    message: Mapping[str, Any] = choices[0]["message"]
+    return message
 
 
 def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:

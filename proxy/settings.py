@@ -45,6 +45,17 @@ class Settings(BaseSettings):
     repair: bool = True
     parking: bool = True
 
+    # History repair policies (each also off with PREFIXPIN_REPAIR=0).
+    repair_reasoning: bool = True
+    repair_tool_calls: bool = True
+    repair_tool_results: bool = True
+    repair_window: bool = True
+    repair_volatile: bool = True
+    repair_tools: bool = True
+    repair_volatile_rules: list[str] = Field(default_factory=list,
+                                             description="Extra volatile regexes (JSON list)")
+    repair_budget: float = Field(0.85, gt=0, le=1, description="Share of per-slot context")
+
     # Embedded engine.
     model: Path | None = Field(None, description="GGUF file for the embedded engine")
     slots: int = Field(2, ge=1, le=64)
@@ -59,6 +70,11 @@ class Settings(BaseSettings):
     tokenizer: Path | None = Field(None, description="tokenizer.json or GGUF overriding /props")
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def repair_switches(self) -> dict[str, bool]:
+        return {"reasoning": self.repair_reasoning, "tool_calls": self.repair_tool_calls,
+                "tool_results": self.repair_tool_results, "window": self.repair_window,
+                "volatile": self.repair_volatile, "tools": self.repair_tools}
 
     def slot_dir(self) -> Path:
         """Where the embedded engine saves slot files (parking uses it)."""

@@ -1,0 +1,60 @@
+"""Token counts for budgets: the model's tokenizer when the proxy has it, else an estimate.
+
+Counts are cached per message text (blake3 key, bounded), so a long conversation costs
+only its new messages. The estimate (3 characters a token) errs on the high side for
+English and code, so a budget it enforces is not exceeded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import blake3
+
+from fingerprint import Encoder
+from proxy.history import canonical
+
+PER_MESSAGE_OVERHEAD = 6  # role header and end-of-turn markers of a chat template
+
+
+class TokenCounter:
+    def __init__(self, encoder: Encoder | None, max_entries: int = 16384) -> None:
+        self._encoder = encoder
+        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._max = max_entries
+
+    @property
+    def exact(self) -> bool:
+        return self._encoder is not None
+
+    def count_messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        return sum(self.count_text(_message_text(m)) + PER_MESSAGE_OVERHEAD for m in messages)
+
+    def count_text(self, text: str) -> int:
+        if self._encoder is None:
+            return (len(text) + 2) // 3
+        key = blake3.blake3(text.encode("utf-8", "replace")).digest()
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        count = len(self._encoder.encode(text))
+        self._cache[key] = count
+        if len(self._cache) > self._max:
+            self._cache.popitem(last=False)
+        return count
+
+
+def _message_text(message: Mapping[str, Any]) -> str:
+    parts = []
+    for key in ("content", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str):
+            parts.append(value)
+        elif value is not None:
+            parts.append(canonical(value))
+    if message.get("tool_calls"):
+        parts.append(canonical(message["tool_calls"]))
+    return "\n".join(parts)
