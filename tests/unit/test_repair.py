@@ -14,8 +14,8 @@ from proxy.repair import (
     POLICIES,
     TRIM_CHARS,
     RepairConfig,
-    RepairMemory,
     Repairer,
+    RepairMemory,
     proxy_trim,
 )
 
