@@ -118,8 +118,8 @@ async def test_without_repair_the_rewrite_reaches_the_engine(name: str) -> None:
 @pytest.mark.parametrize("name", ["reasoning", "tool_results"])
 async def test_a_single_policy_can_be_switched_off(name: str) -> None:
     """Each policy has its own switch (PREFIXPIN_REPAIR_<POLICY>=0)."""
-    flag = {"reasoning": "repair_reasoning", "tool_results": "repair_tool_results"}[name]
-    requests, _, _ = await two_turns(REWRITES[name], TOOLS, **{flag: False})
+    switches: dict[str, Any] = {f"repair_{name}": False}
+    requests, _, _ = await two_turns(REWRITES[name], TOOLS, **switches)
     assert requests[1]["messages"][:6] != requests[0]["messages"]
 
 
