@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import orjson
 
 from proxy.errors import (
     UpstreamProtocolError,
@@ -36,6 +37,15 @@ def map_httpx_errors(what: str) -> Iterator[None]:
 def _describe(exc: httpx.HTTPError) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def encode_json(body: Mapping[str, Any]) -> bytes:
+    """Request bodies as JSON bytes; orjson (a large history is re-encoded on every
+    request), the standard library for what orjson refuses (integers past 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False).encode()
 
 
 async def send_with_stale_retry(http: httpx.AsyncClient, request: httpx.Request, *,

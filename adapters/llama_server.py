@@ -15,7 +15,13 @@ from typing import Any
 
 import httpx
 
-from adapters._http import get_json, map_httpx_errors, post_json, send_with_stale_retry
+from adapters._http import (
+    encode_json,
+    get_json,
+    map_httpx_errors,
+    post_json,
+    send_with_stale_retry,
+)
 from adapters._openai_sse import classify
 from adapters.base import (
     Capabilities,
@@ -77,9 +83,10 @@ class LlamaServerAdapter:
     async def open_stream(self, call: UpstreamCall) -> AsyncIterator[_LlamaStream]:
         what = f"POST {call.path}"
         with map_httpx_errors(what):
-            response = await send_with_stale_retry(
-                self.http, self.http.build_request("POST", call.path, json=dict(call.body),
-                                                   headers=dict(call.headers)))
+            request = self.http.build_request(
+                "POST", call.path, content=encode_json(call.body),
+                headers={**call.headers, "content-type": "application/json"})
+            response = await send_with_stale_retry(self.http, request)
         try:
             yield _LlamaStream(response, what)
         finally:

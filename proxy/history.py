@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import blake3
+import orjson
 
 # Request fields that change the prompt a chat template renders (tools go into the system
 # turn, kwargs switch template branches) or the model that holds the cache.
@@ -30,13 +31,26 @@ CAUSES: tuple[Cause, ...] = ("reasoning_stripped", "tool_result_trimmed",
                              "tools_changed", "edited", "new_turn_only", "shorter", "none")
 
 
+def canonical_bytes(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, no spaces. ``true``, ``1`` and ``1.0`` stay distinct.
+
+    orjson is ~30x faster than the standard library here, which matters on the request
+    path (a 64-message, 120 kB history is digested on every request); integers beyond
+    64 bits, which orjson refuses, fall back to the standard library.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode()
+
+
 def canonical(value: Any) -> str:
-    """Canonical JSON: sorted keys, no spaces. ``true``, ``1`` and ``1.0`` stay distinct."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_bytes(value).decode()
 
 
 def digest(value: Any) -> bytes:
-    return blake3.blake3(canonical(value).encode()).digest(length=16)
+    return blake3.blake3(canonical_bytes(value)).digest(length=16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +64,14 @@ class Committed:
     body: Mapping[str, Any] | None = None  # the forwarded request (to render it again)
 
     @classmethod
-    def of_chat(cls, body: Mapping[str, Any]) -> Committed:
+    def of_chat(cls, body: Mapping[str, Any],
+                digests: Sequence[bytes] | None = None) -> Committed:
+        """``digests``, when the caller has them, must be those of ``body["messages"]``."""
         messages = tuple(body.get("messages") or ())
+        known = tuple(digests) if digests is not None and len(digests) == len(messages) else \
+            tuple(digest(m) for m in messages)
         kept = {k: v for k, v in body.items() if k in ("messages", *SHAPE_FIELDS)}
-        return cls(messages, tuple(digest(m) for m in messages), shape_digest(body), body=kept)
+        return cls(messages, known, shape_digest(body), body=kept)
 
     @classmethod
     def of_completion(cls, body: Mapping[str, Any]) -> Committed:

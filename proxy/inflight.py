@@ -17,15 +17,16 @@ from typing import Any
 import blake3
 
 from proxy.generation import Generation
-from proxy.history import canonical
+from proxy.history import canonical_bytes
 
 VIEW_FIELDS = frozenset({"stream", "stream_options", "return_progress"})
 
 
 def inflight_key(namespace: str, endpoint: str, body: Mapping[str, Any]) -> bytes:
     shared = {k: v for k, v in body.items() if k not in VIEW_FIELDS}
-    text = f"{namespace}\0{endpoint}\0{canonical(shared)}"
-    return blake3.blake3(text.encode()).digest()
+    hasher = blake3.blake3(f"{namespace}\0{endpoint}\0".encode())
+    hasher.update(canonical_bytes(shared))
+    return hasher.digest()
 
 
 class InFlight:
