@@ -26,8 +26,9 @@ from bench.overhead import percentile, process, timed_request
 from proxy.rig.models import ensure_model
 from proxy.testing.servers import free_port
 
-WORDS = ("parse render token slot cache prefix commit session engine queue def return "
-         "import class while yield async await lambda tuple dict list").split()
+WORDS = ["parse", "render", "token", "slot", "cache", "prefix", "commit", "session", "engine",
+         "queue", "def", "return", "import", "class", "while", "yield", "async", "await",
+         "lambda", "tuple", "dict", "list"]
 
 
 def conversation(messages: int = 64, target_tokens: int = 30_000) -> list[dict[str, Any]]:
