@@ -13,7 +13,11 @@ For each request (steps 2, 4, 5 and 6 of the request path):
 4. placement (``proxy.placement``): a resumed or rewound session goes to the slot holding
    it; a new one to an empty slot, else the cheapest victim. A slot that changes hands
    between namespaces is never reused from cache (``cache_prompt: false``), so no tenant
-   can learn anything from another's cached prefix.
+   can learn anything from another's cached prefix;
+5. parking (``proxy.parking``): the victim's history is saved before its slot is reused; a
+   session that comes back to a slot not holding it is restored first when the request
+   extends the parked history; a request no live session takes finds its parked history in
+   the park index (after a proxy restart) and resumes from it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
 from proxy.implicit import Fingerprinter
 from proxy.logs import log_event
 from proxy.metrics import Metrics
+from proxy.parking import ParkManager
 from proxy.placement import Lease, SlotPool, Want
 from proxy.repair import Applied, Repairer, RepairMemory
 from proxy.service import Backend, Outcome, Plan
@@ -70,7 +75,8 @@ class Match:
 class AffinityPlanner:
     def __init__(self, store: SessionStore, pool: SlotPool, metrics: Metrics,
                  fingerprinter: Fingerprinter | None, logger: logging.Logger,
-                 repairer: Repairer | None = None, budget_tokens: int | None = None) -> None:
+                 repairer: Repairer | None = None, budget_tokens: int | None = None,
+                 parking: ParkManager | None = None) -> None:
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -78,6 +84,7 @@ class AffinityPlanner:
         self.log = logger
         self.repairer = repairer
         self.budget_tokens = budget_tokens
+        self.parking = parking
 
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
         namespace = namespace_of(request.headers)
@@ -104,19 +111,27 @@ class AffinityPlanner:
         session = self.store.get(plan.session) if plan.session else None
         if session is None:
             return
+        blocked = None
         if lease.eviction is not None:
             self.metrics.slot_evictions.labels(plan.notes.get("upstream", ""),
                                                lease.eviction.reason).inc()
             previous = self.store.get(lease.eviction.session_id)
             if previous is None or previous.namespace != session.namespace:
-                plan.body["cache_prompt"] = False
-                plan.notes["cache"] = "blocked: slot held another namespace"
+                blocked = "blocked: slot held another namespace"
             if previous is not None:
                 previous.slot = None
         elif not self.pool.known(lease.slot):
-            plan.body["cache_prompt"] = False
-            plan.notes["cache"] = "blocked: slot contents unknown"
+            blocked = "blocked: slot contents unknown"
         self.pool.mark_known(lease.slot)
+        if self.parking is not None and not lease.resident:
+            restored = await self.parking.restore(session, plan.body, lease.slot)
+            if restored is not None:
+                plan.notes["park"] = restored.note
+                if restored.ok:
+                    blocked = None  # the slot now holds this session's own history only
+        if blocked is not None:
+            plan.body["cache_prompt"] = False
+            plan.notes["cache"] = blocked
 
     async def engine_restarted(self, before: EngineInfo, after: EngineInfo) -> None:
         """Every slot is empty now: no session is in a slot until bytes decide again."""
@@ -127,6 +142,8 @@ class AffinityPlanner:
             session.slot = None
             session.last_decision = "unverified"
             session.last_reason = "engine restarted"
+        if self.parking is not None:  # parked files outlive the engine: restored from disk
+            await self.parking.engine_restarted(before, after)
 
     def commit(self, plan: Plan, outcome: Outcome) -> None:
         session = self.store.get(plan.session) if plan.session else None
@@ -149,6 +166,8 @@ class AffinityPlanner:
         session.prompt_tokens = figures.prompt_tokens or 0
         session.slot = plan.slot
         self.store.touch(session)
+        if self.parking is not None:
+            self.parking.touch(session.id)
         if plan.slot is not None:
             held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
             self.pool.record_tokens(plan.slot, session.id, held)
@@ -183,6 +202,8 @@ class AffinityPlanner:
         if best_decline is not None and tier == "explicit" and (
                 best_decline[1].verdict.index or 0) >= 1:
             return self._rewind(*best_decline, tier, chain, "the engine reuses the shared prefix")
+        if (revived := self._revive(namespace, identity, body, digests, chain)) is not None:
+            return revived
         session = self._new(namespace, identity, client, tier)
         if best_decline is None:
             session.last_decision, session.last_reason = "new", "no candidate"
@@ -191,6 +212,29 @@ class AffinityPlanner:
         session.last_decision = "declined"
         session.last_reason = f"declined {declined.id}: {match.verdict.reason()}"
         return Decision(tier, "new", session, match.verdict, chain)
+
+    def _revive(self, namespace: str, identity: ExplicitIdentity | None,
+                body: Mapping[str, Any], digests: Sequence[bytes],
+                chain: Chain | None) -> Decision | None:
+        """No live session takes the request: a parked history may (the proxy restarted, or
+        the store forgot the session). Same namespace, same key or none, and the request
+        repeats its committed messages exactly: bytes decide here too."""
+        if self.parking is None:
+            return None
+        record = self.parking.lookup(namespace, identity.key if identity else None, body,
+                                     digests)
+        if record is None:
+            return None
+        session = self.store.create(namespace, record.key, record.kind,
+                                    identity.parent if identity else None)
+        session.committed = record.committed
+        session.prompt_tokens = record.prompt_tokens
+        self.parking.revived(session, record)
+        verdict = decide(record.committed, body, digests)
+        session.last_decision = "resumed"
+        session.last_reason = f"{verdict.reason()} (parked history, from the park index)"
+        return Decision("explicit" if identity else "implicit", "resumed", session, verdict,
+                        chain)
 
     async def _match(self, session: Session, body: Mapping[str, Any],
                      digests: Sequence[bytes], backend: Backend) -> Match:

@@ -29,6 +29,7 @@ from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
 from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
+from proxy.parking import ParkManager, open_parking
 from proxy.passthrough import forward
 from proxy.placement import SlotPool
 from proxy.repair import RepairConfig, Repairer
@@ -126,6 +127,8 @@ async def _sessions(request: Request) -> Response:
         "namespaces": {ns: [s.view() for s in sessions]
                        for ns, sessions in state.sessions.namespaces().items()},
     }
+    parking = _parking_of(state.service)
+    body["parking"] = parking.parked_view() if parking is not None else None
     return JSONResponse(body)
 
 
@@ -189,16 +192,27 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
         first_probe.set()
         return
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
-    pool = SlotPool(info.n_slots)
+    parking = await open_parking(settings, backend.adapter, info, store, metrics, logger)
+    pool = SlotPool(info.n_slots, on_evict=parking.park if parking is not None else None)
     service.pool = pool
     planner = AffinityPlanner(store, pool, metrics, fingerprinter, logger,
                               _repairer(settings, fingerprinter, logger),
-                              budget_tokens=info.n_ctx_slot or None)
+                              budget_tokens=info.n_ctx_slot or None, parking=parking)
     service.planner = planner
     log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
               implicit=fingerprinter is not None)
     first_probe.set()
-    await watch_engine(service, settings.health_interval_s, logger, [planner.engine_restarted])
+    try:
+        await watch_engine(service, settings.health_interval_s, logger,
+                           [planner.engine_restarted])
+    finally:
+        if parking is not None:
+            await parking.aclose(pool)  # a clean shutdown parks what idle slots hold
+
+
+def _parking_of(service: ProxyService) -> ParkManager | None:
+    planner = service.planner
+    return planner.parking if isinstance(planner, AffinityPlanner) else None
 
 
 async def _open_adapter(settings: Settings,

@@ -30,8 +30,14 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--slots": ("slots", int, "embedded engine slots (default 2)"),
     "--ctx-size": ("ctx_size", int, "embedded engine context per slot (default 8192)"),
     "--threads": ("threads", int, "embedded engine threads"),
-    "--park-dir": ("park_dir", str, "directory for parked sessions"),
-    "--park-max-bytes": ("park_max_bytes", int, "disk budget for parked sessions"),
+    "--park-dir": ("park_dir", str, "directory for parked sessions: the engine's "
+                   "--slot-save-path as this proxy sees it"),
+    "--park-max-bytes": ("park_max_bytes", int, "disk budget for parked sessions, LRU "
+                         "(default 8 GiB)"),
+    "--park-min-tokens": ("park_min_tokens", int, "smallest history worth parking "
+                          "(default 256 tokens)"),
+    "--park-verify": ("park_verify", str, "full (blake3 of the whole file, default) | tokens "
+                      "(size and token list only)"),
     "--tokenizer": ("tokenizer", str, "tokenizer.json or GGUF for fingerprints"),
     "--log-level": ("log_level", str, "debug | info | warning | error"),
 }

@@ -69,6 +69,24 @@ class Metrics:
                                     "Engine slots holding a known session's history",
                                     ["upstream"], registry=r)
         self.sessions = Gauge("prefixpin_sessions", "Sessions the proxy tracks", registry=r)
+        self.parks = Counter("prefixpin_parks", "Evicted sessions saved to disk (parked), or "
+                             "not, by outcome", ["outcome"], registry=r)
+        self.restores = Counter("prefixpin_restores", "Parked sessions restored into a slot, "
+                                "or declined, by outcome", ["outcome"], registry=r)
+        self.park_seconds = Histogram("prefixpin_park_seconds",
+                                      "Saving and checking one parked session",
+                                      buckets=SECONDS_BUCKETS, registry=r)
+        self.restore_seconds = Histogram("prefixpin_restore_seconds",
+                                         "Checking and restoring one parked session",
+                                         buckets=SECONDS_BUCKETS, registry=r)
+        self.park_bytes = Gauge("prefixpin_park_bytes", "Bytes of parked session files",
+                                registry=r)
+        self.parked_files = Gauge("prefixpin_parked_files", "Parked session files", registry=r)
+        self.park_removals = Counter("prefixpin_park_removals",
+                                     "Parked files removed, by reason", ["reason"], registry=r)
+        self.park_revivals = Counter("prefixpin_park_revivals",
+                                     "Sessions rebuilt from the park index (no live session "
+                                     "held their history)", registry=r)
         self.inflight = Gauge("prefixpin_inflight_generations",
                               "Upstream generations running now", registry=r)
 

@@ -56,6 +56,7 @@ class Want:
 class Lease:
     slot: int
     eviction: Eviction | None  # the history the slot held for another session, if any
+    resident: bool = False  # the slot already held this session's history
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +106,11 @@ class SlotPool:
     @asynccontextmanager
     async def lease(self, want: Want, *, timeout_s: float,
                     on_wait: Callable[[str], None] | None = None) -> AsyncIterator[Lease]:
-        entry, eviction = await self._acquire(want, timeout_s, on_wait)
+        entry, eviction, resident = await self._acquire(want, timeout_s, on_wait)
         try:
             if eviction is not None and self._on_evict is not None:
-                await self._on_evict(eviction)
-            yield Lease(entry.index, eviction)
+                await self._on_evict(eviction)  # parking saves the slot before it is reused
+            yield Lease(entry.index, eviction, resident)
         finally:
             entry.busy = False
             entry.last_used = time.monotonic()
@@ -121,8 +122,8 @@ class SlotPool:
         if entry.occupant == session_id:
             entry.tokens = tokens
 
-    async def _acquire(self, want: Want, timeout_s: float,
-                       on_wait: Callable[[str], None] | None) -> tuple[SlotEntry, Eviction | None]:
+    async def _acquire(self, want: Want, timeout_s: float, on_wait: Callable[[str], None] | None
+                       ) -> tuple[SlotEntry, Eviction | None, bool]:
         try:
             async with asyncio.timeout(timeout_s), self._changed:
                 self.waiting += 1
@@ -133,7 +134,8 @@ class SlotPool:
                         await self._changed.wait()
                 finally:
                     self.waiting -= 1
-                return entry, self._take(entry, want)
+                resident = entry.occupant == want.session_id
+                return entry, self._take(entry, want), resident
         except TimeoutError:
             raise QueueTimeoutError(
                 f"no engine slot became free within {timeout_s:.0f} s (--queue-timeout)",

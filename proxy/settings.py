@@ -62,9 +62,12 @@ class Settings(BaseSettings):
     ctx_size: int = Field(8192, ge=256, description="Context per slot (embedded engine)")
     threads: int | None = Field(None, ge=1)
 
-    # Parking.
+    # Parking: park_dir must be the engine's --slot-save-path as this proxy sees it.
     park_dir: Path | None = None
-    park_max_bytes: int = Field(8 * 1024**3, ge=0)
+    park_max_bytes: int = Field(8 * 1024**3, ge=0, description="Disk budget for parked files")
+    park_min_tokens: int = Field(256, ge=1, description="Smaller histories are not parked")
+    park_verify: Literal["full", "tokens"] = Field(
+        "full", description="Check a park file's whole content (blake3) or its token list")
 
     # Identity.
     tokenizer: Path | None = Field(None, description="tokenizer.json or GGUF overriding /props")

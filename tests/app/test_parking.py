@@ -1,0 +1,411 @@
+"""Parking in process: the proxy in front of a fake llama-server whose slots save and
+restore real llama-server slot files (the same header and packed token list; its "KV" part
+is derived from the tokens, so a file restored with the wrong bytes is caught by the fake
+as it would be by the engine). What the real engine does with a restored slot is tested in
+tests/e2e/test_parking_llama.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from proxy.parking import INDEX_NAME, PARK_PREFIX, SLOT_FILE_MAGIC, SLOT_FILE_VERSION
+from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import running_proxy
+
+pytestmark = pytest.mark.anyio
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 10}
+KV_BYTES_PER_TOKEN = 32
+
+
+class SlotFileFakeLlama(FakeLlamaServer):
+    """The fake engine with --slot-save-path: save, restore and erase as llama-server.
+
+    Words are the fake's tokens; each gets an id on first sight. A file is the engine's
+    format: magic, version, packed token list, then a KV part the fake derives from the
+    tokens (32 bytes a token), which restore checks as the engine checks its state."""
+
+    def __init__(self, slot_dir: Path, config: FakeLlamaConfig | None = None) -> None:
+        super().__init__(config or FakeLlamaConfig(n_slots=1))
+        self.slot_dir = slot_dir
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+        self.slot_faults: list[str] = []  # "save": the next save fails (disk error)
+        self.actions: list[tuple[str, int, str]] = []
+
+    async def _slot_action(self, request: Request) -> Response:
+        action = request.query_params.get("action")
+        if action not in ("save", "restore"):
+            return await super()._slot_action(request)
+        slot = self.slots[request.path_params["id"] % len(self.slots)]
+        filename = str((await request.json()).get("filename", ""))
+        self.actions.append((action, slot.id, filename))
+        path = self.slot_dir / filename
+        async with slot.busy:  # deferred while the slot is busy, as in llama-server
+            if action == "save":
+                if self.slot_faults and self.slot_faults[0] == "save":
+                    self.slot_faults.pop(0)
+                    return _error(500, "Unable to save slot", "server_error")
+                ids = [self._id(word) for word in slot.tokens]
+                data = _slot_file(ids)
+                path.write_bytes(data)
+                return JSONResponse({"id_slot": slot.id, "filename": filename,
+                                     "n_saved": len(ids), "n_written": len(data),
+                                     "timings": {"save_ms": 0.1}})
+            slot.tokens.clear()
+            restored = _read_slot_file(path)
+            if restored is None:
+                return _error(400, "Unable to restore slot: No available space in KV cache or "
+                                   "invalid slot save file", "invalid_request_error")
+            slot.tokens.extend(self.words[i] for i in restored)
+            return JSONResponse({"id_slot": slot.id, "filename": filename,
+                                 "n_restored": len(restored),
+                                 "n_read": path.stat().st_size,
+                                 "timings": {"restore_ms": 0.1}})
+
+    def _id(self, word: str) -> int:
+        if word not in self.vocab:
+            self.vocab[word] = len(self.words)
+            self.words.append(word)
+        return self.vocab[word]
+
+    def restart(self) -> None:
+        """As a new engine process: empty slots, another start time."""
+        for slot in self.slots:
+            slot.tokens.clear()
+        for clock in ("started", "start_us"):  # what /metrics reports as the start time
+            if hasattr(self, clock):
+                setattr(self, clock, getattr(self, clock) + 1)
+
+
+def _kv(ids: list[int]) -> bytes:
+    return b"".join(hashlib.blake2b(struct.pack("<i", t), digest_size=KV_BYTES_PER_TOKEN)
+                    .digest() for t in ids)
+
+
+def _slot_file(ids: list[int]) -> bytes:
+    packed = [-1, 1, len(ids), *ids, 0]
+    return (struct.pack("<III", SLOT_FILE_MAGIC, SLOT_FILE_VERSION, len(packed))
+            + struct.pack(f"<{len(packed)}i", *packed) + _kv(ids))
+
+
+def _read_slot_file(path: Path) -> list[int] | None:
+    try:
+        data = path.read_bytes()
+        _, _, n = struct.unpack_from("<III", data)
+        packed = list(struct.unpack_from(f"<{n}i", data, 12))
+    except (OSError, struct.error):
+        return None
+    ids = packed[3:-1]
+    return ids if data[12 + 4 * n:] == _kv(ids) else None
+
+
+def _error(status: int, message: str, kind: str) -> Response:
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}},
+                        status_code=status)
+
+
+def conversation(name: str, turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{name} asks question {turn} " * 16})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"{name} answer {turn}"})
+    return messages
+
+
+async def ask(client: httpx.AsyncClient, messages: list[dict[str, Any]], key: str | None,
+              **fields: Any) -> dict[str, Any]:
+    headers = {"x-session-id": key} if key else {}
+    response = await client.post("/v1/chat/completions", headers=headers,
+                                 json={"messages": messages, "max_tokens": 2, **fields})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def cached(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def prompt(body: dict[str, Any]) -> int:
+    return int(body["usage"]["prompt_tokens"])
+
+
+async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
+    text = (await client.get("/metrics")).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = rf"^{name}(?:\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else rf"^{name} (\S+)$"
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def park_files(park: Path) -> list[Path]:
+    return sorted(p for p in park.glob(f"{PARK_PREFIX}*.bin"))
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
+    return [dict(getattr(r, "fields", {})) for r in caplog.records if r.getMessage() == name]
+
+
+def settings(park: Path, **more: Any) -> dict[str, Any]:
+    return {"park_dir": park, "park_min_tokens": 20, **more}
+
+
+async def test_an_evicted_session_is_parked_and_restored_when_it_returns(
+        tmp_path: Path) -> None:
+    """One slot, A then B: A is saved before B takes the slot; A's next turn restores it
+    first, so everything A's slot held is cached again."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        first = await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        assert len(park_files(tmp_path)) == 1
+        again = await ask(client, conversation("A", 2), "A")  # parks B, restores A
+        assert await metric(client, "prefixpin_parks_total", outcome="parked") == 2
+        assert await metric(client, "prefixpin_restores_total", outcome="restored") == 1
+        assert await metric(client, "prefixpin_park_bytes") == sum(
+            p.stat().st_size for p in park_files(tmp_path))
+        view = (await client.get("/sessions")).json()
+        actions = [a[0] for a in engine.actions if "probe" not in a[2]]
+    assert actions == ["save", "save", "restore"]  # A when B came, B when A came back, A
+    assert cached(again) == prompt(first)  # all of it: the reply differs from the transcript
+    assert "cache_prompt" not in engine.requests[-1]
+    assert view["parking"]["files"] == 2
+    assert (tmp_path / INDEX_NAME).exists()
+
+
+async def test_a_rewound_request_never_restores(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Same key, last user message edited: the parked file holds the old message, so it
+    is not restored (a sliding-window model could not rewind it); the request re-prefills."""
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        history = conversation("A", 2)
+        await ask(client, history, "A")
+        await ask(client, conversation("B", 1), "B")
+        edited = [*history[:-1], {"role": "user", "content": "an edited question " * 16}]
+        body = await ask(client, edited, "A")
+        assert await metric(client, "prefixpin_restores_total", outcome="diverged") == 1
+        assert await metric(client, "prefixpin_restores_total", outcome="restored") == 0
+    assert [a[0] for a in engine.actions].count("restore") == 0
+    assert cached(body) < prompt(body) // 2  # at most the system prompt B's slot shares
+    declined = events(caplog, "restore declined")
+    assert declined
+    assert "does not extend the parked history" in declined[0]["reason"]
+
+
+async def test_small_histories_are_not_parked(tmp_path: Path) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, park_dir=tmp_path, park_min_tokens=500) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        assert await metric(client, "prefixpin_parks_total", outcome="small") == 1
+    assert park_files(tmp_path) == []
+    assert [a for a in engine.actions if "probe" not in a[2]] == []
+
+
+async def test_parking_off_switch(tmp_path: Path) -> None:
+    """PREFIXPIN_PARKING=0: an evicted session is simply lost, nothing is written."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path, parking=False)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        again = await ask(client, conversation("A", 2), "A")
+    assert engine.actions == []
+    assert not (tmp_path / INDEX_NAME).exists()
+    assert cached(again) < prompt(again) // 2
+
+
+async def test_a_restarted_proxy_resumes_parked_sessions_from_the_index(
+        tmp_path: Path) -> None:
+    """A is parked by eviction, B at the proxy's clean shutdown; a new proxy over the same
+    park directory rebuilds both sessions from the index (explicit key for A, none for B:
+    its committed messages repeated as the prefix) and restores them."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        a_first = await ask(client, conversation("A", 1), "A")
+        b_first = await ask(client, conversation("B", 1), None)
+    assert len(park_files(tmp_path)) == 2
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        a_again = await ask(client, conversation("A", 2), "A")
+        b_again = await ask(client, conversation("B", 2), None)
+        assert await metric(client, "prefixpin_park_revivals_total") == 2
+        assert await metric(client, "prefixpin_restores_total", outcome="restored") == 2
+        sessions = (await client.get("/sessions")).json()["namespaces"]["anon"]
+    assert cached(a_again) == prompt(a_first)
+    assert cached(b_again) == prompt(b_first)
+    assert {s["key"]: s["last_decision"] for s in sessions} == {"A": "resumed", None: "resumed"}
+
+
+async def test_another_tenant_never_revives_a_parked_session(tmp_path: Path) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await client.post("/v1/chat/completions", headers={"x-session-id": "B"},
+                          json={"messages": conversation("B", 1), "max_tokens": 2})
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        response = await client.post(
+            "/v1/chat/completions",
+            headers={"x-session-id": "A", "authorization": "Bearer someone-else"},
+            json={"messages": conversation("A", 2), "max_tokens": 2})
+        assert response.status_code == 200
+        assert await metric(client, "prefixpin_park_revivals_total") == 0
+    assert cached(response.json()) == 0
+    assert [a[0] for a in engine.actions].count("restore") == 0
+
+
+async def test_an_engine_restart_restores_parked_sessions(tmp_path: Path) -> None:
+    """The engine restarts (empty slots, new start time): a parked session's next turn is
+    restored from its file, with everything it held cached."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path, health_interval_s=0.02)) as (
+            client, _):
+        first = await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        engine.restart()
+        for _ in range(200):
+            if (await client.get("/sessions")).json()["slots"][0]["session"] is None:
+                break
+            await asyncio.sleep(0.01)
+        again = await ask(client, conversation("A", 2), "A")
+    assert cached(again) == prompt(first)
+
+
+@pytest.mark.parametrize(("damage", "outcome"), [
+    ("delete", "missing"), ("truncate", "truncated"), ("tokens", "mismatched"),
+    ("kv", "corrupted")])
+async def test_a_damaged_park_file_is_caught_and_the_request_re_prefills(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, outcome: str) -> None:
+    """Deleted, cut short, another token list, or flipped KV bytes: the proxy notices before
+    the engine sees the file, drops it, says why, and the answer comes from a re-prefill."""
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        [path] = park_files(tmp_path)
+        _damage(path, damage)
+        again = await ask(client, conversation("A", 2), "A")
+        assert await metric(client, "prefixpin_restores_total", outcome=outcome) == 1
+        assert await metric(client, "prefixpin_park_removals_total", reason="invalid") == 1
+    assert again["choices"][0]["message"]["content"]
+    assert cached(again) < prompt(again) // 2
+    assert [a[0] for a in engine.actions].count("restore") == 0
+    assert not path.exists()
+    [declined] = events(caplog, "restore declined")
+    assert declined["outcome"] == outcome
+    assert declined["reason"].endswith("re-prefilling")
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "tokens":
+        data[12 + 4 * 4] ^= 0x01  # the second token of the packed list
+        path.write_bytes(bytes(data))
+    elif how == "kv":
+        data[-5] ^= 0x40
+        path.write_bytes(bytes(data))
+
+
+async def test_a_failed_save_is_logged_and_the_session_re_prefills(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        engine.slot_faults.append("save")
+        await ask(client, conversation("B", 1), "B")
+        again = await ask(client, conversation("A", 2), "A")
+        assert await metric(client, "prefixpin_parks_total", outcome="failed") == 1
+        notes = [e for e in events(caplog, "request") if e.get("park")]
+        assert len(park_files(tmp_path)) == 1  # B's, parked when A came back
+    assert again["choices"][0]["message"]["content"]
+    assert cached(again) < prompt(again) // 2
+    [skipped] = events(caplog, "park skipped")
+    assert "save failed" in skipped["reason"]
+    assert any("not parked when evicted" in n["park"] for n in notes)
+
+
+async def test_the_disk_budget_removes_the_least_recently_used_park(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Room for one file: parking B removes A's file (least recently used); A then
+    re-prefills and the log says why, B restores."""
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    one_file = len(_slot_file(list(range(200))))
+    async with running_proxy(engine, **settings(tmp_path, park_max_bytes=one_file)) as (
+            client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")  # parks A
+        await ask(client, conversation("C", 1), "C")  # parks B, removes A
+        assert len(park_files(tmp_path)) == 1
+        a_again = await ask(client, conversation("A", 2), "A")  # parks C, removes B
+        assert await metric(client, "prefixpin_park_removals_total", reason="budget") >= 1
+        assert await metric(client, "prefixpin_park_bytes") <= one_file
+    assert cached(a_again) < prompt(a_again) // 2
+    removed = events(caplog, "park removed")
+    assert removed[0]["reason"] == "budget"
+    notes = [e["park"] for e in events(caplog, "request") if e.get("park")]
+    assert any("--park-max-bytes" in n for n in notes)
+
+
+async def test_orphan_files_and_rows_without_files_are_swept_at_start(tmp_path: Path) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+    files = park_files(tmp_path)
+    assert len(files) == 2
+    files[0].unlink()
+    orphan = tmp_path / f"{PARK_PREFIX}orphan.bin"
+    orphan.write_bytes(b"x" * 100)
+    unrelated = tmp_path / "someone-elses.bin"
+    unrelated.write_bytes(b"y")
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        view = (await client.get("/sessions")).json()["parking"]
+        assert await metric(client, "prefixpin_park_removals_total", reason="orphan") == 1
+    assert view["files"] == 1
+    assert not orphan.exists()
+    assert unrelated.exists()
+
+
+async def test_no_park_dir_means_parking_off_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+    [off] = events(caplog, "parking off")
+    assert "--park-dir is not set" in off["reason"]
+    assert engine.actions == []
+
+
+async def test_a_park_dir_the_engine_does_not_write_to_turns_parking_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine_dir, proxy_dir = tmp_path / "engine", tmp_path / "proxy"
+    engine_dir.mkdir()
+    proxy_dir.mkdir()
+    engine = SlotFileFakeLlama(engine_dir)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, **settings(proxy_dir)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+    [off] = events(caplog, "parking off")
+    assert "--slot-save-path as this proxy sees it" in off["reason"]
