@@ -1,0 +1,224 @@
+"""Parking's pure parts: the engine's slot file read back (sans-IO), the park index, and
+what the engine's command line and model say about restoring."""
+
+from __future__ import annotations
+
+import sqlite3
+import struct
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from adapters.base import EngineInfo
+from proxy.history import Committed
+from proxy.parking import (
+    INDEX_NAME,
+    SCHEMA_VERSION,
+    SLOT_FILE_MAGIC,
+    SLOT_FILE_VERSION,
+    EngineLimits,
+    ParkIndex,
+    ParkRecord,
+    SlotFileError,
+    engine_limits,
+    file_digest,
+    parse_header,
+    read_slot_tokens,
+    tokens_digest,
+    unpack_tokens,
+)
+from proxy.settings import Settings
+
+
+def slot_file(tokens: list[int], kv: bytes = b"kv-state", *, packed: bool = True) -> bytes:
+    """What llama_state_seq_save_file writes for a text-only llama-server slot."""
+    items = [-1, 1, len(tokens), *tokens, 0] if packed else tokens
+    return (struct.pack("<III", SLOT_FILE_MAGIC, SLOT_FILE_VERSION, len(items))
+            + struct.pack(f"<{len(items)}i", *items) + kv)
+
+
+# ---------------------------------------------------------------- the slot file
+
+def test_tokens_are_read_back_from_a_packed_slot_file(tmp_path: Path) -> None:
+    path = tmp_path / "a.bin"
+    path.write_bytes(slot_file([1, 49152, 7, 0]))
+    assert read_slot_tokens(path) == [1, 49152, 7, 0]
+
+
+def test_a_plain_token_list_from_older_builds_is_read_as_is(tmp_path: Path) -> None:
+    path = tmp_path / "old.bin"
+    path.write_bytes(slot_file([5, 6, 7], packed=False))
+    assert read_slot_tokens(path) == [5, 6, 7]
+
+
+@pytest.mark.parametrize(("packed", "fault"), [
+    ([-1, 2, 1, 5, 0], "mismatched"),  # unknown packed version
+    ([-1, 1, 3, 5, 0], "mismatched"),  # count says 3, one token present
+    ([-1, 1, 1, 5, 1], "mismatched"),  # media chunks
+    ([-1, 1], "mismatched"),
+])
+def test_a_malformed_packed_list_is_refused(packed: list[int], fault: str) -> None:
+    with pytest.raises(SlotFileError) as caught:
+        unpack_tokens(packed)
+    assert caught.value.fault == fault
+
+
+def test_empty_and_foreign_headers() -> None:
+    with pytest.raises(SlotFileError, match="shorter than a slot file header") as short:
+        parse_header(b"gg", 2)
+    assert short.value.fault == "truncated"
+    wrong = struct.pack("<III", 0x67676C61, SLOT_FILE_VERSION, 0)
+    with pytest.raises(SlotFileError, match="not a slot state file") as foreign:
+        parse_header(wrong, 12)
+    assert foreign.value.fault == "mismatched"
+    old = struct.pack("<III", SLOT_FILE_MAGIC, 2, 0)
+    with pytest.raises(SlotFileError, match="version 2"):
+        parse_header(old, 12)
+    assert parse_header(struct.pack("<III", SLOT_FILE_MAGIC, SLOT_FILE_VERSION, 0), 12) == 0
+
+
+def test_a_token_list_running_past_the_end_is_truncated(tmp_path: Path) -> None:
+    data = slot_file(list(range(100)))
+    path = tmp_path / "cut.bin"
+    path.write_bytes(data[:200])
+    with pytest.raises(SlotFileError) as caught:
+        read_slot_tokens(path)
+    assert caught.value.fault == "truncated"
+    with pytest.raises(SlotFileError) as gone:
+        read_slot_tokens(tmp_path / "missing.bin")
+    assert gone.value.fault == "missing"
+
+
+def test_digests_change_with_any_token_or_byte(tmp_path: Path) -> None:
+    assert tokens_digest([1, 2, 3]) != tokens_digest([1, 2, 4])
+    assert tokens_digest([1, 2, 3]) == tokens_digest([1, 2, 3])
+    assert len(tokens_digest([])) == 16
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(slot_file([1, 2], b"\x00" * 4096))
+    b.write_bytes(slot_file([1, 2], b"\x00" * 4095 + b"\x01"))
+    assert file_digest(a) != file_digest(b)
+    assert file_digest(a) == file_digest(a)
+
+
+# ---------------------------------------------------------------- the park index
+
+def record(park_id: str, *, namespace: str = "ns", key: str | None = "k", last_use: float = 1.0,
+           messages: int = 2, size: int = 1000) -> ParkRecord:
+    body = {"model": "m", "tools": [{"type": "function", "function": {"name": "grep"}}],
+            "messages": [{"role": "user", "content": f"message {i} ü"}
+                         for i in range(messages)]}
+    committed = Committed.of_chat(body)
+    return ParkRecord(park_id, namespace, key, "main", committed, prompt_tokens=300,
+                      n_tokens=310, filename=f"pp-{park_id}.bin", size=size,
+                      tokens_digest=b"t" * 16, content_digest=b"c" * 16, model="model.gguf",
+                      created=0.5, last_use=last_use)
+
+
+def test_a_record_round_trips_through_sqlite_and_survives_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / INDEX_NAME
+    index = ParkIndex.open(path)
+    original = record("a")
+    index.insert(original)
+    index.close()
+    reopened = ParkIndex.open(path)
+    assert reopened.get("a") == original
+    assert reopened.get("a") is not None
+    back = reopened.get("a")
+    assert back is not None
+    assert back.committed.digests == original.committed.digests
+    assert back.committed.body == original.committed.body
+    assert reopened.filenames() == {"pp-a.bin"}
+    reopened.close()
+
+
+def test_completions_histories_keep_their_prompt(tmp_path: Path) -> None:
+    index = ParkIndex.open(tmp_path / INDEX_NAME)
+    committed = Committed.of_completion({"prompt": "Once upon a time", "model": "m"})
+    base = record("p")
+    index.insert(ParkRecord(**{**{f: getattr(base, f) for f in ParkRecord.__slots__},
+                               "committed": committed}))
+    back = index.get("p")
+    assert back is not None
+    assert back.committed == committed
+
+
+def test_lookups_by_namespace_and_key_and_lru_order(tmp_path: Path) -> None:
+    index = ParkIndex.open(tmp_path / INDEX_NAME)
+    index.insert(record("a", last_use=3.0))
+    index.insert(record("b", key=None, last_use=1.0, size=500))
+    index.insert(record("c", namespace="other", last_use=2.0))
+    assert [r.park_id for r in index.under("ns", "k")] == ["a"]
+    assert [r.park_id for r in index.under("ns", None)] == ["b"]
+    assert index.under("other", None) == []
+    assert [r.park_id for r in index.oldest_first()] == ["b", "c", "a"]
+    index.touch("b", 9.0)
+    assert [r.park_id for r in index.oldest_first()] == ["c", "a", "b"]
+    assert index.total_bytes() == 2500
+    assert index.count() == 3
+    index.delete("c")
+    assert index.count() == 2
+
+
+def test_rows_that_do_not_decode_are_reported_not_returned(tmp_path: Path) -> None:
+    """A hand-edited row (messages that no longer match their digests) never rebuilds a
+    session: it is skipped, and the start-up sweep deletes it."""
+    path = tmp_path / INDEX_NAME
+    index = ParkIndex.open(path)
+    index.insert(record("good"))
+    index.insert(record("bad"))
+    index.close()
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("""UPDATE parked SET messages = '[{"role": "user", "content": "forged"}]'
+                      WHERE park_id = 'bad'""")
+    index = ParkIndex.open(path)
+    assert [r.park_id for r in index.oldest_first()] == ["good"]
+    assert index.invalid_ids() == ["bad"]
+
+
+def test_an_index_of_another_schema_version_starts_empty(tmp_path: Path) -> None:
+    path = tmp_path / INDEX_NAME
+    index = ParkIndex.open(path)
+    index.insert(record("a"))
+    index.close()
+    with closing(sqlite3.connect(path)) as db:
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    with closing(ParkIndex.open(path)) as reopened:
+        assert reopened.count() == 0
+
+
+def test_the_index_uses_write_ahead_logging(tmp_path: Path) -> None:
+    with closing(ParkIndex.open(tmp_path / INDEX_NAME)) as index:
+        index.insert(record("a"))
+        with closing(sqlite3.connect(tmp_path / INDEX_NAME)) as db:
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# ---------------------------------------------------------------- engine limits
+
+def info(engine: str = "llama-server", n_swa: int = 0, model_path: str = "") -> EngineInfo:
+    return EngineInfo(engine, "model.gguf", 2, 4096, slot_save_path=True, n_swa=n_swa,
+                      props={"model_path": model_path})
+
+
+def test_limits_from_the_probe_when_nothing_local_is_readable() -> None:
+    remote = Settings(upstream="http://10.0.0.7:8080")
+    limits = engine_limits(remote, info(n_swa=1))
+    assert limits.sliding_window == 1
+    assert limits.cache_ram_mib is None
+    assert "a restored slot has no context checkpoints" in limits.notes()[0]
+    assert engine_limits(remote, info()).notes() == []
+
+
+def test_the_embedded_engine_has_a_full_size_window_and_no_ram_cache() -> None:
+    limits = engine_limits(Settings(), info(engine="embedded", n_swa=1))
+    assert limits == EngineLimits(source=limits.source)
+    assert limits.notes() == []
+
+
+def test_notes_name_the_ram_cache_and_idle_slot_clearing() -> None:
+    limits = EngineLimits(cache_ram_mib=8192, clears_idle_slots=True)
+    notes = " ".join(limits.notes())
+    assert "--cache-ram 8192 MiB" in notes
+    assert "empties idle slots" in notes
+    assert "no limit" in " ".join(EngineLimits(cache_ram_mib=-1).notes())
