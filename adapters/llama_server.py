@@ -31,7 +31,7 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from proxy.errors import UpstreamError
+from proxy.errors import UpstreamError, UpstreamProtocolError
 from proxy.sse import SSEDecoder
 
 # Architectures whose attention is (partly) a sliding window: a rewind deeper than the
@@ -85,7 +85,7 @@ class LlamaServerAdapter:
         with map_httpx_errors(what):
             request = self.http.build_request(
                 "POST", call.path, content=encode_json(call.body),
-                headers={**call.headers, "content-type": "application/json"})
+                headers=_header_bytes({**call.headers, "content-type": "application/json"}))
             response = await send_with_stale_retry(self.http, request)
         try:
             yield _LlamaStream(response, what)
@@ -168,13 +168,33 @@ class _LlamaStream:
             return await self._response.aread()
 
     async def aiter_frames(self) -> AsyncIterator[Frame]:
+        _expect_event_stream(self._what, self.content_type)
         decoder = SSEDecoder()
         with map_httpx_errors(self._what):
             async for chunk in self._response.aiter_bytes():
-                for event in decoder.feed(chunk):
+                try:
+                    events = decoder.feed(chunk)
+                except ValueError as exc:  # an event past the decoder's size limit
+                    raise UpstreamProtocolError(f"{self._what}: {exc}") from exc
+                for event in events:
                     yield classify(event)
             for event in decoder.flush():
                 yield classify(event)
+
+
+def _expect_event_stream(what: str, content_type: str | None) -> None:
+    """A 200 that is not an event stream (an HTML error page from something in between, a
+    JSON body from an engine that ignored ``stream``) is named as such, not parsed as SSE."""
+    if content_type is not None and not content_type.startswith("text/event-stream"):
+        raise UpstreamProtocolError(f"{what}: engine answered {content_type!r}, "
+                                    "not an event stream (text/event-stream)")
+
+
+def _header_bytes(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """Header values as the client sent them: HTTP servers decode them as latin-1, so this
+    gives back the same bytes (httpx refuses a non-ASCII ``str``)."""
+    return [(name.encode("latin-1"), value.encode("latin-1", "replace"))
+            for name, value in headers.items()]
 
 
 def _model_name(props: Mapping[str, Any]) -> str:

@@ -37,7 +37,7 @@ from proxy.service import Backend, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
 from proxy.tokens import TokenCounter
-from proxy.watch import watch_engine
+from proxy.watch import EngineWatch, RestartHook, probe
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
@@ -137,7 +137,7 @@ async def _healthz(request: Request) -> Response:
     backend = state.service.backend
     upstream: dict[str, Any] = {"label": backend.label, "engine": backend.adapter.name}
     try:
-        info = await backend.adapter.probe()
+        info = await probe(backend.adapter, state.settings.probe_timeout_s)
         backend.info = info
         upstream.update(status="ok", model=info.model, slots=info.n_slots,
                         n_ctx_slot=info.n_ctx_slot, build=info.build)
@@ -165,11 +165,11 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 async def _start_policies(settings: Settings, service: ProxyService, store: SessionStore,
                           logger: logging.Logger, first_probe: asyncio.Event) -> None:
-    """Probe the engine until it answers, then switch on what it supports."""
+    """Probe the engine until it answers, switch on what it supports, then watch it."""
     backend, metrics = service.backend, service.metrics
     while True:
         try:
-            backend.info = await backend.adapter.probe()
+            backend.info = await probe(backend.adapter, settings.probe_timeout_s)
             break
         except UpstreamError as exc:
             metrics.upstream_up.labels(backend.label).set(0)
@@ -182,15 +182,30 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     log_event(logger, logging.INFO, "upstream ready", upstream=backend.label,
               engine=info.engine, model=info.model, slots=info.n_slots,
               n_ctx_slot=info.n_ctx_slot, build=info.build)
+    watch = EngineWatch(service, settings.health_interval_s, logger)
+    service.on_upstream_lost = watch.suspect
     if not settings.affinity:
         log_event(logger, logging.INFO, "affinity off", reason="PREFIXPIN_AFFINITY=0")
-        first_probe.set()
-        return
-    if not backend.adapter.capabilities.slots:
+    elif not backend.adapter.capabilities.slots:
         log_event(logger, logging.INFO, "affinity off",
                   reason=f"{info.engine} does not let the proxy choose slots")
-        first_probe.set()
-        return
+    else:
+        watch.on_restart.append(await _affinity_on(settings, service, store, logger))
+        watch.on_lost.append(store.mark_unverified)
+    first_probe.set()
+    try:
+        await watch.run()
+    finally:
+        if (parking := _parking_of(service)) is not None:
+            await parking.aclose(service.pool)  # a clean shutdown parks idle slots
+
+
+async def _affinity_on(settings: Settings, service: ProxyService, store: SessionStore,
+                       logger: logging.Logger) -> RestartHook:
+    """Session affinity planner in place; returns what must run when the engine restarts."""
+    backend, metrics = service.backend, service.metrics
+    info = backend.info
+    assert info is not None
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     parking = await open_parking(settings, backend.adapter, info, store, metrics, logger)
     pool = SlotPool(info.n_slots, on_evict=parking.park if parking is not None else None)
@@ -201,13 +216,7 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     service.planner = planner
     log_event(logger, logging.INFO, "affinity on", slots=info.n_slots,
               implicit=fingerprinter is not None)
-    first_probe.set()
-    try:
-        await watch_engine(service, settings.health_interval_s, logger,
-                           [planner.engine_restarted])
-    finally:
-        if parking is not None:
-            await parking.aclose(pool)  # a clean shutdown parks what idle slots hold
+    return planner.engine_restarted
 
 
 def _parking_of(service: ProxyService) -> ParkManager | None:

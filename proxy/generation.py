@@ -10,6 +10,7 @@ period (a resend can still join it), then is cancelled, which closes its connect
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -22,6 +23,7 @@ from proxy.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
 )
+from proxy.logs import get_logger
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 
@@ -116,6 +118,11 @@ class Generation:
         except asyncio.CancelledError:
             self._fail(GenerationCancelledError("generation cancelled: every client left"))
             raise
+        except Exception as exc:
+            # A bug or an error nobody translated: every client still gets an error and an
+            # end of stream (never a silent empty answer); the details stay in the log.
+            get_logger().log(logging.ERROR, "generation failed", exc_info=True)
+            self._fail(ProxyError(f"internal proxy error ({type(exc).__name__})"))
         finally:
             self._finish()
 

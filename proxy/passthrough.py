@@ -23,7 +23,9 @@ HOP_BY_HOP = frozenset({
 
 
 async def forward(request: Request, http: httpx.AsyncClient) -> StreamingResponse:
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+    # The raw header bytes: a non-ASCII value (which httpx would refuse as str) goes through.
+    headers = [(k, v) for k, v in request.headers.raw
+               if k.decode("latin-1").lower() not in HOP_BY_HOP]
     upstream_request = http.build_request(
         request.method, httpx.URL(path=request.url.path, query=request.url.query.encode()),
         headers=headers, content=_body(request),

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,7 +24,13 @@ from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
 from proxy.aggregate import aggregate
-from proxy.errors import ClientError, GenerationCancelledError, ProxyError, QueueTimeoutError
+from proxy.errors import (
+    ClientError,
+    GenerationCancelledError,
+    ProxyError,
+    QueueTimeoutError,
+    UpstreamUnavailableError,
+)
 from proxy.figures import Figures, figures_from
 from proxy.generation import Generation
 from proxy.identity import namespace_of
@@ -141,6 +147,9 @@ class ProxyService:
         self.generations: set[Generation] = set()
         self.inflight = InFlight()
         self._background: set[asyncio.Task[None]] = set()
+        # Called when a generation loses its engine connection (the engine watch probes at
+        # once: a killed engine's sessions are marked unverified within a probe).
+        self.on_upstream_lost: Callable[[], None] | None = None
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         arrival = time.monotonic()
@@ -229,6 +238,8 @@ class ProxyService:
         """Figures go to the metrics at once; the log line waits for the slot to be known."""
         figures = figures_from(generation.frames, generation.progress)
         outcome = _generation_outcome(generation)
+        if isinstance(generation.error, UpstreamUnavailableError) and self.on_upstream_lost:
+            self.on_upstream_lost()
         self.metrics.requests.labels(client.endpoint, outcome).inc()
         if figures.prompt_tokens is not None and outcome == "ok":
             self._observe_cache(self.backend.label, figures)

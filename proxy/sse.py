@@ -30,6 +30,8 @@ class SSEDecoder:
     def __init__(self, max_event_bytes: int = 64 * 1024 * 1024) -> None:
         self._buffer = bytearray()
         self._max_event_bytes = max_event_bytes
+        self._scanned = 0  # the buffer holds no event end before this offset
+        self._cr = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         self._buffer += chunk
@@ -37,14 +39,19 @@ class SSEDecoder:
         start = 0
         buffer = self._buffer
         # Engines end events with LF LF; CR-style endings are rare, so only pay for them
-        # when a CR is actually present.
-        find_end = _find_event_end if b"\r" in buffer else _find_lf_event_end
-        while (end := find_end(buffer, start)) is not None:
+        # once a CR has actually been seen.
+        self._cr = self._cr or b"\r" in chunk
+        find_end = _find_event_end if self._cr else _find_lf_event_end
+        # Each byte is searched once: an event arriving in many chunks costs its length,
+        # not its length squared (a runaway event must not stall the event loop).
+        search = self._scanned
+        while (end := find_end(buffer, max(start, search))) is not None:
             stop, after = end
             events.append(_parse_block(bytes(buffer[start:stop]), bytes(buffer[start:after])))
             start = after
         if start:
             del buffer[:start]
+        self._scanned = max(0, len(buffer) - 3)  # a separator may straddle the next chunk
         if len(buffer) > self._max_event_bytes:
             raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
         return events
@@ -53,9 +60,11 @@ class SSEDecoder:
         """A stream that ends without the final blank line still yields its last event."""
         if not self._buffer.strip():
             self._buffer.clear()
+            self._scanned = 0
             return []
         raw = bytes(self._buffer)
         self._buffer.clear()
+        self._scanned = 0
         return [_parse_block(raw, raw + b"\n\n")]
 
 

@@ -2,11 +2,18 @@
 
 Every rejection is a ``ClientError`` with a message that names the field, so a client sees
 a clear OpenAI-shaped 4xx and the engine never sees the request.
+
+Beyond the schema, a body must be JSON that every later step can handle: no ``NaN`` or
+``Infinity`` (not JSON; the engine request could not be encoded), no lone UTF-16 surrogate
+escapes (not encodable as UTF-8), and at most ``MAX_JSON_DEPTH`` levels of nesting (the
+digests, fingerprints and the engine request walk the body).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +23,33 @@ from proxy.errors import BadRequestError, PayloadTooLargeError
 Endpoint = Literal["chat", "completions"]
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+MAX_JSON_DEPTH = 100  # tool schemas nest a dozen levels; nothing real nests a hundred
+
+# The OpenAI request fields the proxy checks, by endpoint; null always passes (clients send
+# it for "unset"). Any other field is the engine's to judge and goes through unchanged.
+_INT, _NUMBER, _STR = "an integer", "a number", "a string"
+_BOOL, _OBJECT, _ARRAY = "a boolean", "an object", "an array"
+_COMMON_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": (_STR,), "max_tokens": (_INT,), "n": (_INT,), "seed": (_INT,),
+    "temperature": (_NUMBER,), "top_p": (_NUMBER,), "presence_penalty": (_NUMBER,),
+    "frequency_penalty": (_NUMBER,), "stop": (_STR, _ARRAY), "user": (_STR,),
+    "logit_bias": (_OBJECT,),
+}
+FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
+    "chat": {**_COMMON_FIELDS, "max_completion_tokens": (_INT,), "tools": (_ARRAY,),
+             "tool_choice": (_STR, _OBJECT), "parallel_tool_calls": (_BOOL,),
+             "response_format": (_OBJECT,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
+             "metadata": (_OBJECT,)},
+    "completions": {**_COMMON_FIELDS, "logprobs": (_INT,), "echo": (_BOOL,),
+                    "suffix": (_STR,), "best_of": (_INT,)},
+}
+MESSAGE_STRING_FIELDS = ("name", "tool_call_id", "reasoning_content")
+
+# A UTF-16 surrogate escape (\uD800-\uDFFF) in the raw JSON: only then can the parsed body
+# hold a lone surrogate, so only then is it searched for one.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +78,12 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
 
 def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int) -> ClientRequest:
     body = _parse_object(raw)
+    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
     if endpoint == "chat":
         _check_messages(body.get("messages"), max_messages)
     else:
         _check_prompt(body.get("prompt"))
+    _check_field_types(body, FIELD_TYPES[endpoint])
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
@@ -66,7 +102,7 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
         raise BadRequestError(f"request body is not valid UTF-8: {exc.reason} at byte "
                               f"{exc.start}") from exc
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as exc:
         raise BadRequestError("request body nests JSON too deeply") from exc
     except ValueError as exc:
@@ -74,6 +110,71 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BadRequestError("request body must be a JSON object")
     return value
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
+    """Nesting depth and (when the raw body has surrogate escapes) lone surrogates, walked
+    without recursion so that a hostile body cannot exhaust the stack here either."""
+    stack: list[tuple[object, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: list[object] = [*value.keys(), *value.values()] if surrogates \
+                else list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            if surrogates and isinstance(value, str) and _LONE_SURROGATE.search(value):
+                raise BadRequestError("request body has a lone UTF-16 surrogate escape "
+                                      "(\\uD800-\\uDFFF): not valid Unicode text")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequestError(f"request body nests JSON too deeply (more than "
+                                  f"{MAX_JSON_DEPTH} levels)")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _check_field_types(body: Mapping[str, Any], types: Mapping[str, tuple[str, ...]]) -> None:
+    for name, allowed in types.items():
+        value = body.get(name)
+        if value is not None and not any(_is_type(value, kind) for kind in allowed):
+            raise BadRequestError(f"'{name}' must be {' or '.join(allowed)}, got "
+                                  f"{_json_type(value)}", param=name)
+
+
+def _is_type(value: object, kind: str) -> bool:
+    if isinstance(value, bool):
+        return kind == _BOOL
+    if kind == _INT:
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind == _NUMBER:
+        return isinstance(value, int | float)
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _OBJECT:
+        return isinstance(value, dict)
+    return kind == _ARRAY and isinstance(value, list)
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return _BOOL
+    if isinstance(value, int | float):
+        return _NUMBER
+    if isinstance(value, str):
+        return _STR
+    return _OBJECT if isinstance(value, dict) else _ARRAY
 
 
 def _check_messages(messages: object, max_messages: int) -> None:
@@ -102,10 +203,25 @@ def _check_message(index: int, message: object) -> None:
                               param=f"{where}.content")
     if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
         raise BadRequestError(f"'{where}.content' parts must be objects", param=f"{where}.content")
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None and not isinstance(tool_calls, list):
+    for name in MESSAGE_STRING_FIELDS:
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise BadRequestError(f"'{where}.{name}' must be a string", param=f"{where}.{name}")
+    _check_tool_calls(where, message.get("tool_calls"))
+
+
+def _check_tool_calls(where: str, tool_calls: object) -> None:
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list):
         raise BadRequestError(f"'{where}.tool_calls' must be an array",
                               param=f"{where}.tool_calls")
+    for index, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{index}]"
+        if not isinstance(call, dict):
+            raise BadRequestError(f"'{at}' must be an object", param=at)
+        function = call.get("function")
+        if function is not None and not isinstance(function, dict):
+            raise BadRequestError(f"'{at}.function' must be an object", param=f"{at}.function")
 
 
 def _check_prompt(prompt: object) -> None:

@@ -1,18 +1,28 @@
 """Watch the engine: a restart (new process start time, or a different slot count) empties
-every slot, so the proxy forgets what it believed the slots held and says so."""
+every slot, so the proxy forgets what it believed the slots held and says so.
+
+The engine is probed every ``--health-interval`` seconds, and at once when a request loses
+its connection to it (``suspect``): a killed engine is seen within a probe, not an
+interval. An engine that stops answering makes every session *unverified* (the proxy can no
+longer vouch for what the slots hold) until bytes decide again on its next request; an
+engine that comes back with another start time has restarted, and the slot map is reset.
+Every probe has a deadline (``PREFIXPIN_PROBE_TIMEOUT_S``): a hung engine never hangs the watch.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from adapters.base import EngineInfo
-from proxy.errors import UpstreamError
+from adapters.base import Adapter, EngineInfo
+from proxy.errors import UpstreamError, UpstreamTimeoutError
 from proxy.logs import log_event
 from proxy.service import ProxyService
 
 RestartHook = Callable[[EngineInfo, EngineInfo], Awaitable[None]]
+LostHook = Callable[[str], None]  # called with the reason, once per loss
 
 
 def restarted(before: EngineInfo, after: EngineInfo) -> bool:
@@ -22,24 +32,61 @@ def restarted(before: EngineInfo, after: EngineInfo) -> bool:
     return before.n_slots != after.n_slots or before.model != after.model
 
 
-async def watch_engine(service: ProxyService, interval_s: float, logger: logging.Logger,
-                       hooks: list[RestartHook]) -> None:
-    backend = service.backend
-    while True:
-        await asyncio.sleep(interval_s)
+async def probe(adapter: Adapter, timeout_s: float) -> EngineInfo:
+    """The engine's info, or an ``UpstreamError`` within ``timeout_s`` (a probe request is
+    small; the long read timeout of generations must not apply to it)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await adapter.probe()
+    except TimeoutError:
+        raise UpstreamTimeoutError(f"engine probe got no answer within {timeout_s:g} s "
+                                   "(PREFIXPIN_PROBE_TIMEOUT_S)") from None
+
+
+class EngineWatch:
+    def __init__(self, service: ProxyService, interval_s: float, logger: logging.Logger, *,
+                 on_restart: list[RestartHook] | None = None,
+                 on_lost: list[LostHook] | None = None) -> None:
+        self.service = service
+        self.interval_s = interval_s
+        self.log = logger
+        self.on_restart = on_restart or []
+        self.on_lost = on_lost or []
+        self.reachable = True
+        self._wake = asyncio.Event()
+
+    def suspect(self) -> None:
+        """A request lost its engine connection: probe now rather than at the next tick."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self.check()
+
+    async def check(self) -> None:
+        backend, metrics = self.service.backend, self.service.metrics
         try:
-            info = await backend.adapter.probe()
+            info = await probe(backend.adapter, self.service.settings.probe_timeout_s)
         except UpstreamError as exc:
-            service.metrics.upstream_up.labels(backend.label).set(0)
-            log_event(logger, logging.WARNING, "upstream unreachable", upstream=backend.label,
+            metrics.upstream_up.labels(backend.label).set(0)
+            log_event(self.log, logging.WARNING, "upstream unreachable", upstream=backend.label,
                       error=exc.message)
-            continue
-        service.metrics.upstream_up.labels(backend.label).set(1)
+            if self.reachable:
+                self.reachable = False
+                for lost in self.on_lost:
+                    lost(f"engine unreachable ({exc.message})")
+            return
+        metrics.upstream_up.labels(backend.label).set(1)
+        self.reachable = True
         before, backend.info = backend.info, info
         if before is None or not restarted(before, info):
-            continue
-        log_event(logger, logging.WARNING, "engine restarted", upstream=backend.label,
+            return
+        log_event(self.log, logging.WARNING, "engine restarted", upstream=backend.label,
                   start_time=info.start_time, slots=info.n_slots)
-        service.ledger.forget(backend.label)
-        for hook in hooks:
+        self.service.ledger.forget(backend.label)
+        for hook in self.on_restart:
             await hook(before, info)

@@ -5,12 +5,15 @@ with ``choices: []``, ``data: [DONE]``) and are checked against a real llama-ser
 ``tests/e2e``. It has a toy prefix cache per slot so figures move like the real ones.
 
 Faults are injected by queueing them: ``engine.faults.append("bad_json")`` makes the next
-generation request fail that way.
+generation request fail that way (``FAULTS`` lists them). In ``sequence`` mode every JSON
+event carries ``"seq"``, its index in the stream, so a load test can check per stream that
+no event was lost, duplicated or reordered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -25,6 +28,15 @@ from starlette.routing import Route
 
 WORD = re.compile(r"\s*\S+|\s+")
 
+# Before the response: "reset" (the connection drops), "context" (a 400), "not_sse" (a 200
+# that is an HTML page). Mid-stream, after the first word: "bad_json", "non_object" (a JSON
+# event that is not an object), "close" (the body ends without [DONE]), "error_event",
+# "huge_event" (an event that never ends), "crash" (an exception: the server drops the
+# connection); after prefill: "hang".
+FAULTS = ("reset", "context", "not_sse", "bad_json", "non_object", "close", "error_event",
+          "huge_event", "crash", "hang")
+HUGE_EVENT_BYTES = 65 * 1024 * 1024  # past the proxy's SSE decoder limit (64 MiB)
+
 
 @dataclass(slots=True)
 class FakeLlamaConfig:
@@ -36,6 +48,7 @@ class FakeLlamaConfig:
     token_delay_s: float = 0.0
     events_per_write: int = 1  # >1 batches SSE events per socket write, as a busy server does
     model: str = "fake-model.gguf"
+    sequence: bool = False  # every JSON event carries "seq", its index in the stream
 
 
 @dataclass(slots=True)
@@ -45,6 +58,7 @@ class _Slot:
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     id_task: int = -1
     last_used: float = 0.0
+    claims: int = 0  # requests that chose this slot and have not finished
 
 
 class FakeLlamaServer:
@@ -53,6 +67,9 @@ class FakeLlamaServer:
         self.slots = [_Slot(i) for i in range(self.config.n_slots)]
         self.requests: list[dict[str, Any]] = []
         self.started = time.time()
+        # As llama-server: its "Process-Start-Time-Unix" is ggml_time_us() at start, a
+        # microsecond monotonic clock (so two starts in one second still differ).
+        self.start_us = time.monotonic_ns() // 1000
         self._task_ids = 0
         self.prompt_tokens_processed = 0
         self.faults: list[str] = []
@@ -103,7 +120,7 @@ class FakeLlamaServer:
 
     async def _metrics(self, request: Request) -> Response:
         text = f"llamacpp:prompt_tokens_total {self.prompt_tokens_processed}\n"
-        return Response(text, headers={"Process-Start-Time-Unix": str(int(self.started))})
+        return Response(text, headers={"Process-Start-Time-Unix": str(self.start_us)})
 
     async def _tokenize(self, request: Request) -> Response:
         body = await request.json()
@@ -123,7 +140,11 @@ class FakeLlamaServer:
             body = json.loads(await request.body())
         except ValueError:
             return _error(400, "Failed to parse JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
         self.requests.append(body)
+        if fault == "not_sse":
+            return Response("<html><body>502 Bad Gateway</body></html>", media_type="text/html")
         prompt = _render(body, chat)
         tokens = WORD.findall(prompt)
         if len(tokens) >= self.config.n_ctx or fault == "context":
@@ -131,6 +152,7 @@ class FakeLlamaServer:
                           f"({len(tokens)} tokens, context size {self.config.n_ctx})",
                           "exceed_context_size_error")
         slot = self._choose(body, tokens)
+        slot.claims += 1
         stream = self._stream(body, slot, tokens, chat, fault)
         if body.get("stream"):
             return StreamingResponse(_batched(stream, self.config.events_per_write),
@@ -141,7 +163,10 @@ class FakeLlamaServer:
         pinned = body.get("id_slot")
         if isinstance(pinned, int) and pinned >= 0:
             return self.slots[pinned % len(self.slots)]
-        idle = [s for s in self.slots if not s.busy.locked()] or self.slots
+        # A slot chosen by a request whose stream has not started yet is not idle either:
+        # many requests arriving at once must not all pick the same slot and queue on it.
+        idle = ([s for s in self.slots if not s.busy.locked() and not s.claims]
+                or [s for s in self.slots if not s.busy.locked()] or self.slots)
         best: _Slot = max(idle, key=lambda s: _lcp(s.tokens, tokens) / max(1, len(tokens)))
         if _lcp(best.tokens, tokens) / max(1, len(tokens)) > 0.1:
             return best
@@ -149,6 +174,21 @@ class FakeLlamaServer:
 
     async def _stream(self, body: Mapping[str, Any], slot: _Slot, tokens: list[str], chat: bool,
                       fault: str) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._events(body, slot, tokens, chat, fault):
+                yield event
+        finally:
+            slot.claims -= 1
+
+    async def _events(self, body: Mapping[str, Any], slot: _Slot, tokens: list[str],
+                      chat: bool, fault: str) -> AsyncIterator[bytes]:
+        counter = itertools.count()
+
+        def emit(payload: Mapping[str, Any]) -> bytes:
+            if self.config.sequence:
+                payload = {**payload, "seq": next(counter)}
+            return _encode(payload)
+
         async with slot.busy:
             self._task_ids += 1
             slot.id_task = self._task_ids
@@ -161,7 +201,7 @@ class FakeLlamaServer:
                         "object": "chat.completion.chunk" if chat else "text_completion"}
             started = time.monotonic()
             if body.get("return_progress"):
-                yield _sse({**_role_chunk(envelope, chat), "prompt_progress": _progress(
+                yield emit({**_role_chunk(envelope, chat), "prompt_progress": _progress(
                     len(tokens), cache, cache, started)})
             done = cache
             while done < len(tokens):
@@ -170,44 +210,55 @@ class FakeLlamaServer:
                 done += step
                 slot.tokens.extend(tokens[done - step:done])
                 if body.get("return_progress"):
-                    yield _sse({**_role_chunk(envelope, chat), "prompt_progress": _progress(
+                    yield emit({**_role_chunk(envelope, chat), "prompt_progress": _progress(
                         len(tokens), cache, done, started)})
             self.prompt_tokens_processed += len(tokens) - cache
             prompt_ms = (time.monotonic() - started) * 1000
             if fault == "hang":
                 await asyncio.sleep(3600)
-            words = WORD.findall(self.config.reply)[: int(body.get("max_tokens") or 10**6)]
+            words = WORD.findall(self.config.reply)[:_max_tokens(body)]
             if chat:
-                yield _sse(_role_chunk(envelope, chat, role_only=True))
+                yield emit(_role_chunk(envelope, chat, role_only=True))
             for index, word in enumerate(words):
                 if fault == "bad_json" and index == 1:
                     yield b"data: {not json\n\n"
                     return
+                if fault == "non_object" and index == 1:
+                    yield b"data: [1, 2, 3]\n\n"
+                    return
+                if fault == "huge_event" and index == 1:
+                    yield b"data: {\"x\": \""
+                    for _ in range(HUGE_EVENT_BYTES // 65536):
+                        yield b"x" * 65536
+                    await asyncio.sleep(3600)
+                if fault == "crash" and index == 1:
+                    raise RuntimeError("fault injected: the engine died mid-stream")
                 if fault == "close" and index == 1:
                     return
                 if fault == "error_event" and index == 1:
-                    yield _sse({"error": {"code": 500, "message": "fault injected",
+                    yield emit({"error": {"code": 500, "message": "fault injected",
                                           "type": "server_error"}})
                     return
                 if self.config.token_delay_s:
                     await asyncio.sleep(self.config.token_delay_s)
-                yield _sse(_delta_chunk(envelope, chat, word))
+                yield emit(_delta_chunk(envelope, chat, word))
                 slot.tokens.append(word)
             timings = {"cache_n": cache, "prompt_n": len(tokens) - cache, "prompt_ms": prompt_ms,
                        "predicted_n": len(words)}
             usage = {"completion_tokens": len(words), "prompt_tokens": len(tokens),
                      "total_tokens": len(words) + len(tokens),
                      "prompt_tokens_details": {"cached_tokens": cache}}
-            options = body.get("stream_options") or {}
+            options = body.get("stream_options")
+            options = options if isinstance(options, Mapping) else {}
             # As llama-server: chat puts timings on the usage chunk when usage was asked for,
             # else on the finish chunk; completions put usage and timings on the finish chunk.
             if not chat:
-                yield _sse({**_finish_chunk(envelope, chat), "usage": usage, "timings": timings})
+                yield emit({**_finish_chunk(envelope, chat), "usage": usage, "timings": timings})
             elif options.get("include_usage"):
-                yield _sse(_finish_chunk(envelope, chat))
-                yield _sse({**envelope, "choices": [], "usage": usage, "timings": timings})
+                yield emit(_finish_chunk(envelope, chat))
+                yield emit({**envelope, "choices": [], "usage": usage, "timings": timings})
             else:
-                yield _sse({**_finish_chunk(envelope, chat), "timings": timings})
+                yield emit({**_finish_chunk(envelope, chat), "timings": timings})
             yield b"data: [DONE]\n\n"
             slot.last_used = time.monotonic()
 
@@ -274,8 +325,17 @@ def _finish_chunk(envelope: dict[str, Any], chat: bool) -> dict[str, Any]:
     return {**envelope, "choices": [{"finish_reason": "stop", "index": 0, "delta": {}}]}
 
 
-def _sse(payload: Mapping[str, Any]) -> bytes:
+def _encode(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int:
+    """As llama-server: a value of the wrong type is ignored (the default applies)."""
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 10**6
 
 
 def _error(status: int, message: str, kind: str) -> Response:
@@ -301,7 +361,8 @@ async def _collect(stream: AsyncIterator[bytes], chat: bool) -> Response:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m proxy.testing.fake_llama --port P [--reply-words N]``: serve the fake."""
+    """``python -m proxy.testing.fake_llama --port P [--reply-words N] [--slots N]
+    [--token-delay-ms MS] [--sequence]``: serve the fake."""
     import argparse
 
     import uvicorn
@@ -310,11 +371,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--reply-words", type=int, default=10)
     parser.add_argument("--events-per-write", type=int, default=1)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--sequence", action="store_true",
+                        help="every JSON event carries its index in the stream as \"seq\"")
     args = parser.parse_args(argv)
     reply = " ".join(f"w{i}" for i in range(args.reply_words))
-    engine = FakeLlamaServer(FakeLlamaConfig(reply=reply, events_per_write=args.events_per_write))
+    engine = FakeLlamaServer(FakeLlamaConfig(
+        reply=reply, events_per_write=args.events_per_write, n_slots=args.slots,
+        token_delay_s=args.token_delay_ms / 1000, sequence=args.sequence, n_ctx=args.n_ctx))
+    # The backlog is raised for load tests: hundreds of clients connect at once.
     uvicorn.run(engine.app(), host="127.0.0.1", port=args.port, log_level="warning",
-                access_log=False)
+                access_log=False, backlog=4096)
 
 
 if __name__ == "__main__":

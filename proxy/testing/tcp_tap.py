@@ -1,6 +1,9 @@
 """A TCP relay between the proxy and an engine that records when each connection opens and
 closes, and can inject network faults (refuse, reset, stall). Real sockets, on loopback.
 
+``kill()`` cuts every open connection with a reset and refuses new ones until ``revive()``:
+on the wire, what the proxy sees when the engine process dies (SIGKILL) and is restarted.
+
 It answers questions a test cannot see from either end, such as "did the proxy close its
 engine connection within a second of the client leaving?".
 """
@@ -34,32 +37,58 @@ class TcpTap:
     connections: list[TapConnection] = field(default_factory=list)
     reset_after_bytes_down: int | None = None  # cut every connection after this many bytes
     accept_delay_s: float = 0.0
+    refusing: bool = False  # reset new connections at once (the engine is down)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _live: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def kill(self) -> None:
+        """Reset every open connection and refuse new ones (callable from any thread)."""
+        self.refusing = True
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._abort_all(), self._loop).result(10)
+
+    def revive(self) -> None:
+        self.refusing = False
+
+    async def _abort_all(self) -> None:
+        for writer in list(self._live):
+            writer.transport.abort()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         record = TapConnection(time.monotonic())
         self.connections.append(record)
-        if self.accept_delay_s:
-            await asyncio.sleep(self.accept_delay_s)
+        writers = [writer]
+        self._live.add(writer)
         try:
+            if self.refusing:
+                writer.transport.abort()
+                return
+            if self.accept_delay_s:
+                await asyncio.sleep(self.accept_delay_s)
             up_reader, up_writer = await asyncio.open_connection(self.target_host,
                                                                  self.target_port)
-        except OSError:
-            writer.close()
+            writers.append(up_writer)
+            self._live.add(up_writer)
+            pumps = [asyncio.create_task(self._pump(reader, up_writer, record, upstream=True)),
+                     asyncio.create_task(self._pump(up_reader, writer, record, upstream=False))]
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in pumps:
+                    task.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        except (OSError, asyncio.CancelledError):
+            pass  # the target is down, a side went away, or the tap is stopping: close both
+        finally:
+            for w in writers:
+                self._live.discard(w)
+                with contextlib.suppress(Exception):
+                    w.close()
             record.closed = time.monotonic()
-            return
-        up = asyncio.create_task(self._pump(reader, up_writer, record, upstream=True))
-        down = asyncio.create_task(self._pump(up_reader, writer, record, upstream=False))
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (up, down):
-            task.cancel()
-        for w in (writer, up_writer):
-            with contextlib.suppress(Exception):
-                w.close()
-        record.closed = time.monotonic()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     record: TapConnection, *, upstream: bool) -> None:
@@ -88,7 +117,8 @@ def run_tap(target_host: str, target_port: int, **options: object) -> Iterator[T
     async def main() -> None:
         stop = asyncio.Event()
         server = await asyncio.start_server(tap._handle, "127.0.0.1", tap.port)
-        control.append((asyncio.get_running_loop(), stop))
+        tap._loop = asyncio.get_running_loop()
+        control.append((tap._loop, stop))
         ready.set()
         async with server:
             await stop.wait()
@@ -96,6 +126,7 @@ def run_tap(target_host: str, target_port: int, **options: object) -> Iterator[T
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.sleep(0.05)  # let the closed transports finish closing
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), name=f"tcp-tap-{tap.port}",
                               daemon=True)
