@@ -4,7 +4,8 @@
     ├── ClientError                 the request is at fault: 4xx, nothing was forwarded
     │   ├── BadRequestError         400 invalid JSON, schema, roles
     │   ├── PayloadTooLargeError    413 body over --max-body
-    │   └── NotFoundError           404
+    │   ├── NotFoundError           404
+    │   └── ClientDisconnectedError 499 the client left before its body was read
     ├── QueueTimeoutError           503 + Retry-After: waited --queue-timeout for a slot
     ├── GenerationCancelledError    499 every client left and the grace period ran out
     └── UpstreamError               the engine is at fault or unreachable
@@ -59,6 +60,11 @@ class PayloadTooLargeError(ClientError):
 class NotFoundError(ClientError):
     status_code = 404
     code = "not_found"
+
+
+class ClientDisconnectedError(ClientError):
+    status_code = 499
+    code = "client_disconnected"
 
 
 class QueueTimeoutError(ProxyError):

@@ -7,6 +7,7 @@ import sys
 import uvicorn
 
 from proxy.app import create_app
+from proxy.http_limits import http_options
 from proxy.logs import configure
 from proxy.settings import Settings
 
@@ -24,7 +25,7 @@ def serve(settings: Settings) -> int:
     # http.disconnect while it streams: a client that leaves cancels the relay at once.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **http_options())
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.errors import BadRequestError, PayloadTooLargeError
+from starlette.requests import ClientDisconnect
+
+from proxy.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
 Endpoint = Literal["chat", "completions"]
 
@@ -69,10 +71,14 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
     if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
     body = bytearray()
-    async for chunk in chunks:
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > max_bytes:
+                raise _too_large(max_bytes)
+    except ClientDisconnect:  # a client gone mid-upload is its own outcome, not a crash
+        raise ClientDisconnectedError("the client disconnected before sending its whole "
+                                      "body") from None
     return bytes(body)
 
 

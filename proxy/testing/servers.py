@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -25,12 +26,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: ASGIApp, *, port: int | None = None,
-                    startup_timeout: float = 30.0) -> Iterator[str]:
-    """Yield the base URL of ``app`` served by uvicorn; shut it down on exit."""
+def serve_in_thread(app: ASGIApp, *, port: int | None = None, startup_timeout: float = 30.0,
+                    **options: Any) -> Iterator[str]:
+    """Yield the base URL of ``app`` served by uvicorn; shut it down on exit. ``options``
+    go to ``uvicorn.Config`` (e.g. ``proxy.http_limits.http_options()``, as served)."""
     port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=3, lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=3, lifespan="on",
+                            **options)
     server = _Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

@@ -152,9 +152,13 @@ def no_unexpected_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def print_counts() -> Iterator[None]:
+def print_counts(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The counts in the test output (past pytest's capture), as the issue asks."""
     yield
-    print(f"\nfault suite (in process): {dict(sorted(COUNTS.items()))}")
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        with capture.global_and_fixture_disabled():
+            print(f"\nfault suite (in process): {dict(sorted(COUNTS.items()))}")
 
 
 async def wait_until(predicate: Callable[[], bool]) -> None:

@@ -1,0 +1,89 @@
+"""The HTTP server's own limits: a bounded request head, and OpenAI-shaped errors for what
+uvicorn rejects before the app sees it.
+
+uvicorn's httptools parser buffers a request line and headers of any size (a header flood
+grows the process without bound), and answers unparsable requests with a plain-text 400.
+``BoundedHttpToolsProtocol`` refuses a head over ``MAX_HEAD_BYTES`` with a 431 and gives
+both errors the body every OpenAI client can parse. Without httptools, uvicorn's h11
+protocol applies the same bound (``h11_max_incomplete_event_size``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.errors import openai_error
+
+# Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and dropped
+
+
+def http_options() -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config`` that put these limits in place."""
+    try:
+        return {"http": _bounded_httptools_protocol()}
+    except ImportError:
+        return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+
+
+def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, with an OpenAI error body."""
+    body = json.dumps(openai_error(message, "invalid_request_error", code=code)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    return head + body
+
+
+def _bounded_httptools_protocol() -> type[Any]:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """Counts the bytes of each request head (request line and headers) as they
+        arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed."""
+
+        _in_head = True
+        _head_bytes = 0
+        _refused = False
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # the answer is out; what the client still sends is dropped
+            was_in_head = self._in_head
+            super().data_received(data)
+            # Only a chunk that began inside a head and did not finish it is head bytes (a
+            # chunk that ends a body and starts the next head counts from the next chunk).
+            if not (was_in_head and self._in_head) or self.transport.is_closing():
+                return
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.logger.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
+                self._refuse(error_bytes(
+                    431, "Request Header Fields Too Large",
+                    f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                    "headers_too_large"))
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head = True  # what follows on this connection is the next request head
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
+                                     "invalid_http"))
+
+        def _refuse(self, response: bytes) -> None:
+            """Answer, then linger: keep reading (and dropping) what the client is still
+            sending for a moment, so that closing does not reset the connection before
+            the client has read the answer."""
+            self._refused = True
+            self.transport.write(response)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+    return BoundedHttpToolsProtocol
