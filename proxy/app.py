@@ -14,13 +14,15 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from adapters.base import Adapter
 from adapters.llama_server import LlamaServerAdapter
@@ -39,6 +41,7 @@ from proxy.settings import Settings
 from proxy.tokens import TokenCounter
 from proxy.watch import EngineWatch, RestartHook, probe
 
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -88,6 +91,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/sessions", _sessions, methods=["GET"]),
+        Route("/", _status_page, methods=["GET"]),
+        Mount("/_prefixpin", StaticFiles(directory=STATIC_DIR), name="static"),
         Route("/{path:path}", _passthrough, methods=ALL_METHODS),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
@@ -114,6 +119,11 @@ async def _passthrough(request: Request) -> Response:
 async def _metrics(request: Request) -> Response:
     body = state_of(request).metrics.exposition()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _status_page(request: Request) -> Response:
+    """The built-in status page (plain HTML and a small script; no build step)."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
 
 async def _sessions(request: Request) -> Response:
