@@ -8,11 +8,13 @@ never re-parse JSON.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from adapters.base import Frame, FrameKind, Progress
 from proxy.errors import UpstreamProtocolError
+from proxy.figures import count_of
 from proxy.sse import SSEEvent
 
 
@@ -35,15 +37,19 @@ def classify(event: SSEEvent) -> Frame:
 
 
 def parse_progress(value: object) -> Progress | None:
+    """llama-server's ``prompt_progress``; None unless its counts are counts. The counts
+    are kept within the prompt (an engine's slip must not show "prefill 9/5")."""
     if not isinstance(value, Mapping):
         return None
-    try:
-        return Progress(
-            total=int(value["total"]), cache=int(value["cache"]),
-            processed=int(value["processed"]), time_ms=float(value.get("time_ms", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError):
+    total, cache, processed = (count_of(value.get(k)) for k in ("total", "cache", "processed"))
+    if total is None or cache is None or processed is None:
         return None
+    time_ms = value.get("time_ms", 0.0)
+    if isinstance(time_ms, bool) or not isinstance(time_ms, int | float) or not math.isfinite(
+            time_ms):
+        time_ms = 0.0
+    return Progress(total=total, cache=min(cache, total), processed=min(processed, total),
+                    time_ms=max(0.0, float(time_ms)))
 
 
 def chunk_has_output(choices: object) -> bool:

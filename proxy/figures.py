@@ -2,13 +2,16 @@
 
 Sources, best first: the usage chunk (``usage.prompt_tokens``,
 ``prompt_tokens_details.cached_tokens``), ``timings`` (``cache_n``, ``prompt_n``,
-``prompt_ms``) on the last chunk, and the last progress report. Figures never underflow:
-cached tokens are clamped to [0, prompt tokens].
+``prompt_ms``) on the last chunk, and the last progress report. Figures never underflow
+or overstate: a count is a non-negative integer or unknown (an engine sending anything
+else in a field makes that figure unknown), cached tokens are clamped to [0, prompt
+tokens], and a time is finite and non-negative.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,24 +47,27 @@ def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
 
 def _combine(usage: Mapping[str, Any], timings: Mapping[str, Any],
              progress: Progress | None) -> Figures:
-    prompt = _int(usage.get("prompt_tokens"))
-    if prompt is None and _int(timings.get("prompt_n")) is not None:
-        prompt = (_int(timings.get("prompt_n")) or 0) + (_int(timings.get("cache_n")) or 0)
+    prompt = count_of(usage.get("prompt_tokens"))
+    prompt_n = count_of(timings.get("prompt_n"))
+    if prompt is None and prompt_n is not None:
+        prompt = prompt_n + (count_of(timings.get("cache_n")) or 0)
     if prompt is None and progress is not None:
         prompt = progress.total
-    cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    # A negative cached count says "no hit" at worst: it reads as 0, not as unknown.
+    cached = _integer(mapping_of(usage.get("prompt_tokens_details")).get("cached_tokens"))
     if cached is None:
-        cached = _int(timings.get("cache_n"))
+        cached = _integer(timings.get("cache_n"))
     if cached is None and progress is not None:
         cached = progress.cache
     if cached is not None:
-        cached = max(0, min(cached, prompt if prompt is not None else cached))
-    prompt_ms = timings.get("prompt_ms")
+        cached = max(0, min(cached, prompt) if prompt is not None else cached)
+    completion = count_of(usage.get("completion_tokens"))
     return Figures(
         prompt_tokens=prompt,
         cached_tokens=cached,
-        prompt_ms=float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
-        completion_tokens=_int(usage.get("completion_tokens")) or _int(timings.get("predicted_n")),
+        prompt_ms=_duration(timings.get("prompt_ms")),
+        completion_tokens=completion if completion is not None else count_of(
+            timings.get("predicted_n")),
     )
 
 
@@ -73,8 +79,8 @@ def with_cached_tokens(frame: Frame, frames: Sequence[Frame],
     are left untouched when nothing is missing.
     """
     data = dict(frame.data or {})
-    usage = dict(data.get("usage") or {})
-    details = dict(usage.get("prompt_tokens_details") or {})
+    usage = dict(mapping_of(data.get("usage")))
+    details = dict(mapping_of(usage.get("prompt_tokens_details")))
     if "cached_tokens" in details:
         return frame
     figures = figures_from([*frames, frame], progress)
@@ -89,7 +95,13 @@ def is_usage(frame: Frame) -> bool:
     return frame.kind is FrameKind.USAGE
 
 
-def _int(value: object) -> int | None:
+def count_of(value: object) -> int | None:
+    """A token count as the engine sent it: a non-negative integer, else unknown."""
+    number = _integer(value)
+    return number if number is not None and number >= 0 else None
+
+
+def _integer(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -97,3 +109,14 @@ def _int(value: object) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
+
+
+def mapping_of(value: object) -> Mapping[str, Any]:
+    """An object field of an engine's event, or an empty one when it is not an object."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _duration(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None

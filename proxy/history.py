@@ -89,6 +89,7 @@ class Verdict:
     field: str | None = None
     cause: Cause = "none"
     committed_messages: int = 0
+    committed_chars: int | None = None  # a raw prompt's verdict: its committed length
 
     @property
     def resumable(self) -> bool:
@@ -99,6 +100,9 @@ class Verdict:
             return "extends committed history"
         if self.identical:
             return "identical to committed history"
+        if self.committed_chars is not None:  # a raw prompt has characters, not messages
+            return (f"prompt diverged at char {self.char} (of committed "
+                    f"{self.committed_chars} chars; {self.cause})")
         if self.index is None:
             return f"request fields changed ({self.field}; {self.cause})"
         where = f"message {self.index}"
@@ -146,7 +150,9 @@ def _decide_prompt(committed: str, prompt: object) -> Verdict:
         return Verdict(False, identical=True)
     if text.startswith(committed):
         return Verdict(True)
-    return Verdict(False, index=0, char=_first_difference(committed, text), cause="edited")
+    return Verdict(False, index=0, char=_first_difference(committed, text),
+                   cause="shorter" if committed.startswith(text) else "edited",
+                   committed_chars=len(committed))
 
 
 def _diverged(committed: Committed, incoming: Sequence[Mapping[str, Any]], index: int) -> Verdict:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from adapters.base import Frame, FrameKind, Progress
 from proxy.aggregate import aggregate
 from proxy.errors import ProxyError, error_event, error_response
-from proxy.figures import figures_from, with_cached_tokens
+from proxy.figures import count_of, figures_from, mapping_of, with_cached_tokens
 from proxy.generation import Generation, Subscriber
 from proxy.sse import encode_comment, encode_data
 from proxy.validation import ClientRequest
@@ -201,15 +201,19 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _ensure_usage(body: dict[str, Any], generation: Generation) -> None:
+    """Fill in what the engine's usage left out, from the proxy's figures (the engine's
+    own fields are kept as sent)."""
     figures = figures_from(generation.frames, generation.progress)
-    usage = dict(body.get("usage") or {})
+    usage = dict(mapping_of(body.get("usage")))
     if figures.prompt_tokens is not None:
         usage.setdefault("prompt_tokens", figures.prompt_tokens)
     if figures.completion_tokens is not None:
         usage.setdefault("completion_tokens", figures.completion_tokens)
-    if "prompt_tokens" in usage and "completion_tokens" in usage:
-        usage.setdefault("total_tokens", usage["prompt_tokens"] + usage["completion_tokens"])
-    details = dict(usage.get("prompt_tokens_details") or {})
+    prompt, completion = count_of(usage.get("prompt_tokens")), count_of(
+        usage.get("completion_tokens"))
+    if prompt is not None and completion is not None:
+        usage.setdefault("total_tokens", prompt + completion)
+    details = dict(mapping_of(usage.get("prompt_tokens_details")))
     details.setdefault("cached_tokens", figures.cached_tokens or 0)
     usage["prompt_tokens_details"] = details
     body["usage"] = usage
