@@ -677,7 +677,7 @@ class ParkManager:
                 self._remove(record, "invalid")
         known = self.index.filenames()
         for path in self.config.files_dir.glob(f"{PARK_PREFIX}*.bin"):
-            if path.name not in known:
+            if path.name not in known and path.is_file():
                 _unlink(path)
                 self.metrics.park_removals.labels("orphan").inc()
         total = self.index.total_bytes()
@@ -794,7 +794,8 @@ def _size_of(path: Path) -> int | None:
 
 
 def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # A file that cannot go now (gone already, permissions) is an orphan for the next sweep.
+    with contextlib.suppress(OSError):
         path.unlink()
 
 
