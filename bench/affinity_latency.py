@@ -58,7 +58,8 @@ def _text(chars: int, seed: int) -> str:
 def run(requests: int) -> dict[str, Any]:
     fake_port, plain_port, affinity_port = free_port(), free_port(), free_port()
     fake = f"http://127.0.0.1:{fake_port}"
-    body = {"messages": conversation(), "max_tokens": 4, "stream": True}
+    messages = conversation()
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "stream": True}
     serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
              "--log-level", "warning"]
     arms = {"direct": fake, "passthrough": f"http://127.0.0.1:{plain_port}",
@@ -82,7 +83,7 @@ def run(requests: int) -> dict[str, Any]:
         check = client.post(arms["affinity"] + "/v1/chat/completions",
                             json={**body, "stream": False}).json()
     assert check["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, check
-    result: dict[str, Any] = {"requests_per_arm": requests, "messages": len(body["messages"]),
+    result: dict[str, Any] = {"requests_per_arm": requests, "messages": len(messages),
                               "body_bytes": len(json.dumps(body))}
     for arm in ("passthrough", "affinity"):
         for q, label in ((0.5, "p50"), (0.99, "p99")):
