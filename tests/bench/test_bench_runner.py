@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from bench.clients.base import Request, chat_body
+from bench.index import build as build_index
 from bench.report import main as report_main
 from bench.report import render, summarize, summary_block, write_rows
 from bench.runner import send_turn
@@ -157,3 +158,15 @@ def test_results_render_from_rows_and_rerender_run_md(tmp_path: Path) -> None:
     assert "| b | 2 | 0.60 | 1.00 |" in run_md
     assert "old summary" not in run_md
     assert run_md.endswith("\n\nafter\n")
+
+
+def test_results_index_has_one_line_per_scenario_and_arm(tmp_path: Path) -> None:
+    """bench/results/README.md lists every arm of every result directory."""
+    for scenario in ("one", "two"):
+        (tmp_path / scenario).mkdir()
+        rows = [dict(_row(arm, 0, seq, 100.0), baseline="a")
+                for arm in ("a", "b") for seq in range(2)]
+        write_rows(tmp_path / scenario / "rows.jsonl", rows)
+    text = build_index(tmp_path)
+    assert text.count("| [one](one/table.md) |") == 2
+    assert "| [two](two/table.md) | b | 0.2 | 1.00 | 50% | 20 | 0 of 2 |" in text
