@@ -130,25 +130,37 @@ def _finite_float(text: str) -> float:
 
 
 def _check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
-    """Nesting depth and (when the raw body has surrogate escapes) lone surrogates, walked
-    without recursion so that a hostile body cannot exhaust the stack here either."""
-    stack: list[tuple[object, int]] = [(body, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: list[object] = [*value.keys(), *value.values()] if surrogates \
-                else list(value.values())
-        elif isinstance(value, list):
-            children = value
-        else:
-            if surrogates and isinstance(value, str) and _LONE_SURROGATE.search(value):
-                raise BadRequestError("request body has a lone UTF-16 surrogate escape "
-                                      "(\\uD800-\\uDFFF): not valid Unicode text")
-            continue
+    """Nesting depth, level by level over the containers only (no recursion: a hostile
+    body cannot exhaust the stack here either; strings are not visited, so a large
+    conversation costs little), and lone surrogates when the raw body has escapes."""
+    level: list[Any] = [body]
+    depth = 0
+    while level:
+        depth += 1
         if depth > MAX_JSON_DEPTH:
             raise BadRequestError(f"request body nests JSON too deeply (more than "
                                   f"{MAX_JSON_DEPTH} levels)")
-        stack.extend((child, depth + 1) for child in children)
+        below: list[Any] = []
+        for container in level:
+            values = container.values() if type(container) is dict else container
+            below += [v for v in values if type(v) is dict or type(v) is list]
+        level = below
+    if surrogates:
+        _check_surrogates(body)
+
+
+def _check_surrogates(body: dict[str, Any]) -> None:
+    stack: list[Any] = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack += value.keys()
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+        elif isinstance(value, str) and _LONE_SURROGATE.search(value):
+            raise BadRequestError("request body has a lone UTF-16 surrogate escape "
+                                  "(\\uD800-\\uDFFF): not valid Unicode text")
 
 
 def _check_field_types(body: Mapping[str, Any], types: Mapping[str, tuple[str, ...]]) -> None:
