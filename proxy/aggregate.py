@@ -12,7 +12,8 @@ from typing import Any
 
 from adapters.base import Frame, FrameKind
 
-_MESSAGE_TEXT_FIELDS = ("content", "reasoning_content")
+# ``reasoning`` is where Ollama's OpenAI-compatible API puts the model's thinking.
+_MESSAGE_TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
 
 
 def aggregate(frames: Sequence[Frame], *, chat: bool) -> dict[str, Any]:
@@ -92,8 +93,9 @@ def _finish_choice(state: dict[str, Any], chat: bool) -> dict[str, Any]:
                 "logprobs": state.get("logprobs"), "finish_reason": state["finish_reason"]}
     message: dict[str, Any] = {"role": state["role"],
                                "content": "".join(parts["content"]) if "content" in parts else None}
-    if "reasoning_content" in parts:
-        message["reasoning_content"] = "".join(parts["reasoning_content"])
+    for name in _MESSAGE_TEXT_FIELDS[1:]:
+        if name in parts:
+            message[name] = "".join(parts[name])
     if state["tool_calls"]:
         message["tool_calls"] = [state["tool_calls"][i] for i in sorted(state["tool_calls"])]
     return {"finish_reason": state["finish_reason"], "index": state["index"], "message": message}

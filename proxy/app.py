@@ -8,10 +8,11 @@ engine) instead of a network connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,13 @@ from starlette.staticfiles import StaticFiles
 
 from adapters.base import Adapter
 from adapters.llama_server import LlamaServerAdapter
+from adapters.ollama import EngineKind, OllamaAdapter, detect_engine
 from proxy.affinity import AffinityPlanner
 from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
 from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
+from proxy.ollama import OllamaPlanner, handle_native
 from proxy.parking import ParkManager, open_parking
 from proxy.passthrough import forward
 from proxy.placement import SlotPool
@@ -88,6 +91,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         Route("/chat/completions", _chat, methods=["POST"]),
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/completions", _completions, methods=["POST"]),
+        Route("/api/chat", _native_chat, methods=["POST"]),
+        Route("/api/generate", _native_generate, methods=["POST"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/sessions", _sessions, methods=["GET"]),
@@ -110,6 +115,14 @@ async def _chat(request: Request) -> Response:
 
 async def _completions(request: Request) -> Response:
     return await state_of(request).service.handle(request, "completions")
+
+
+async def _native_chat(request: Request) -> Response:
+    return await handle_native(state_of(request).service, request, "chat")
+
+
+async def _native_generate(request: Request) -> Response:
+    return await handle_native(state_of(request).service, request, "completions")
 
 
 async def _passthrough(request: Request) -> Response:
@@ -186,6 +199,7 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
             log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
                       error=exc.message)
             first_probe.set()
+            await _redetect(settings, backend, logger)
             await asyncio.sleep(2.0)
     metrics.upstream_up.labels(backend.label).set(1)
     info = backend.info
@@ -196,6 +210,8 @@ async def _start_policies(settings: Settings, service: ProxyService, store: Sess
     service.on_upstream_lost = watch.suspect
     if not settings.affinity:
         log_event(logger, logging.INFO, "affinity off", reason="PREFIXPIN_AFFINITY=0")
+    elif isinstance(backend.adapter, OllamaAdapter):
+        watch.on_lost.append(await _ollama_sessions_on(settings, service, store, logger))
     elif not backend.adapter.capabilities.slots:
         log_event(logger, logging.INFO, "affinity off",
                   reason=f"{info.engine} does not let the proxy choose slots")
@@ -229,6 +245,24 @@ async def _affinity_on(settings: Settings, service: ProxyService, store: Session
     return planner.engine_restarted
 
 
+async def _ollama_sessions_on(settings: Settings, service: ProxyService, store: SessionStore,
+                              logger: logging.Logger) -> Callable[[str], None]:
+    """Sessions, repair, estimates and the model lifecycle in front of Ollama (no slots:
+    a pool of none, and no slot is ever leased). Returns the engine-lost hook."""
+    backend = service.backend
+    assert backend.info is not None
+    fingerprinter = await load_fingerprinter(settings.tokenizer, backend.info.props, logger)
+    inner = AffinityPlanner(store, SlotPool(0), service.metrics, fingerprinter, logger,
+                            _repairer(settings, fingerprinter, logger))
+    planner = OllamaPlanner(inner, service.metrics, logger, backend.label)
+    service.planner = planner
+    log_event(logger, logging.INFO, "sessions on", engine="ollama", slots="chosen by Ollama",
+              implicit=fingerprinter is not None,
+              cached_tokens="measured" if backend.adapter.capabilities.measured_cache
+              else "estimated unless Ollama reports them")
+    return planner.engine_lost
+
+
 def _parking_of(service: ProxyService) -> ParkManager | None:
     planner = service.planner
     return planner.parking if isinstance(planner, AffinityPlanner) else None
@@ -237,7 +271,19 @@ def _parking_of(service: ProxyService) -> ParkManager | None:
 async def _open_adapter(settings: Settings,
                         transport: httpx.AsyncBaseTransport | None) -> Adapter:
     if settings.upstream is not None or transport is not None:
-        return _llama_server_adapter(settings, transport)
+        http = _upstream_client(settings, transport)
+        engine: EngineKind | None = None
+        if settings.engine in ("ollama", "llama-server"):
+            engine = settings.engine
+        elif settings.engine == "auto":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settings.probe_timeout_s):
+                    engine = await detect_engine(http)
+            if engine is None:  # not answering yet: probed again until it does
+                log_event(get_logger(), logging.WARNING, "engine not detected",
+                          upstream=_label(settings), assumed="llama-server",
+                          hint="--engine ollama|llama-server skips detection")
+        return OllamaAdapter(http) if engine == "ollama" else LlamaServerAdapter(http)
     # Imported here: the embedded engine needs the `embedded` extra (llama-cpp-python).
     from adapters.embedded import EmbeddedAdapter, EngineConfig
 
@@ -263,14 +309,29 @@ def _repairer(settings: Settings, fingerprinter: Fingerprinter | None,
     return Repairer(config, counter.count_messages)
 
 
-def _llama_server_adapter(settings: Settings,
-                          transport: httpx.AsyncBaseTransport | None) -> LlamaServerAdapter:
+def _upstream_client(settings: Settings,
+                     transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
     base_url = settings.upstream or "http://engine.invalid"
-    http = httpx.AsyncClient(base_url=base_url, transport=transport,
+    return httpx.AsyncClient(base_url=base_url, transport=transport,
                              timeout=settings.upstream_timeout(),
                              limits=httpx.Limits(max_connections=None,
                                                  max_keepalive_connections=64))
-    return LlamaServerAdapter(http)
+
+
+async def _redetect(settings: Settings, backend: Backend, logger: logging.Logger) -> None:
+    """``--engine auto`` and the engine did not answer as the one assumed: ask again which
+    engine it is (an Ollama that started after the proxy was first taken for llama-server)."""
+    if settings.engine != "auto" or backend.adapter.name not in ("llama-server", "ollama"):
+        return
+    engine: EngineKind | None = None
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(settings.probe_timeout_s):
+            engine = await detect_engine(backend.adapter.http)
+    if engine is None or engine == backend.adapter.name:
+        return
+    http = backend.adapter.http
+    backend.adapter = OllamaAdapter(http) if engine == "ollama" else LlamaServerAdapter(http)
+    log_event(logger, logging.INFO, "engine detected", upstream=backend.label, engine=engine)
 
 
 def _label(settings: Settings) -> str:

@@ -2,7 +2,10 @@
 
 Sources, best first: the usage chunk (``usage.prompt_tokens``,
 ``prompt_tokens_details.cached_tokens``), ``timings`` (``cache_n``, ``prompt_n``,
-``prompt_ms``) on the last chunk, and the last progress report. Figures never underflow
+``prompt_ms``) on the last chunk, and the last progress report; for Ollama's native API,
+the metrics of its done chunk (``prompt_eval_count``, ``prompt_eval_cached_count``,
+``prompt_eval_duration``, ``eval_count``, ``load_duration``; durations in nanoseconds;
+the cached count is absent before Ollama 0.33.3 and stays unknown). Figures never underflow
 or overstate: a count is a non-negative integer or unknown (an engine sending anything
 else in a field makes that figure unknown), cached tokens are clamped to [0, prompt
 tokens], and a time is finite and non-negative.
@@ -25,6 +28,7 @@ class Figures:
     cached_tokens: int | None = None
     prompt_ms: float | None = None
     completion_tokens: int | None = None
+    load_ms: float | None = None  # Ollama: time to get a loaded model (a jump = a cold load)
 
     @property
     def cached_fraction(self) -> float | None:
@@ -36,13 +40,42 @@ class Figures:
 def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
     usage: Mapping[str, Any] = {}
     timings: Mapping[str, Any] = {}
+    native: Mapping[str, Any] | None = None
     for frame in frames:
         data = frame.data or {}
         if isinstance(data.get("timings"), Mapping):
             timings = data["timings"]
         if isinstance(data.get("usage"), Mapping):
             usage = data["usage"]
+        if frame.kind is FrameKind.DONE and data.get("done") is True:
+            native = data
+    if native is not None:
+        return _native(native)
     return _combine(usage, timings, progress)
+
+
+def _native(done: Mapping[str, Any]) -> Figures:
+    """Ollama's native done chunk. Every metric is omitted when zero (``omitempty``), except
+    the cached count, which is present (even 0) whenever Ollama reports one."""
+    prompt = count_of(done.get("prompt_eval_count"))
+    cached = count_of(done.get("prompt_eval_cached_count"))
+    if cached is not None:
+        prompt = prompt or 0
+        cached = min(cached, prompt)
+    eval_count = count_of(done.get("eval_count"))
+    return Figures(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        prompt_ms=_nanoseconds_as_ms(done.get("prompt_eval_duration")),
+        completion_tokens=eval_count if eval_count is not None else (
+            0 if "prompt_eval_count" in done else None),
+        load_ms=_nanoseconds_as_ms(done.get("load_duration")),
+    )
+
+
+def _nanoseconds_as_ms(value: object) -> float | None:
+    duration = _duration(value)
+    return duration / 1e6 if duration is not None else None
 
 
 def _combine(usage: Mapping[str, Any], timings: Mapping[str, Any],

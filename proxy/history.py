@@ -19,9 +19,12 @@ import blake3
 import orjson
 
 # Request fields that change the prompt a chat template renders (tools go into the system
-# turn, kwargs switch template branches) or the model that holds the cache.
+# turn, kwargs switch template branches) or the model that holds the cache. The last ones
+# are Ollama's native fields (``think`` switches template branches; ``/api/generate``
+# renders ``system``, ``template``, ``suffix``, ``images`` and ``context`` into the prompt).
 SHAPE_FIELDS = ("model", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                "reasoning_effort", "reasoning_format", "functions")
+                "reasoning_effort", "reasoning_format", "functions",
+                "think", "system", "template", "raw", "suffix", "images", "context")
 
 Cause = Literal["reasoning_stripped", "tool_result_trimmed", "tool_args_reserialized",
                 "window_moved", "system_changed", "tools_changed", "edited", "new_turn_only",
@@ -191,7 +194,8 @@ def _is_window_move(committed: Sequence[Mapping[str, Any]],
 
 
 def _reasoning_stripped(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    if old.get("reasoning_content") and not new.get("reasoning_content"):
+    if any(old.get(name) and not new.get(name)
+           for name in ("reasoning_content", "thinking", "reasoning")):
         return _visible(old) == _visible(new)
     return _visible(old) == _visible(new) and old.get("content") != new.get("content")
 

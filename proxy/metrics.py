@@ -1,7 +1,9 @@
 """Prometheus figures, on a registry the app owns (never the global one).
 
 Label values are bounded: endpoint and outcome come from fixed sets, upstream is the
-configured backend label, slot is an engine slot index.
+configured backend label, slot is an engine slot index, source is ``measured`` (the
+engine's own cached count) or ``estimated`` (the proxy's estimate from its record of the
+session, for an engine that reports none: Ollama before 0.33.3).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "cancelled", "queue_timeout")
+SOURCES = ("measured", "estimated")
 
 
 class Metrics:
@@ -26,11 +29,15 @@ class Metrics:
         self.prompt_tokens = Histogram("prefixpin_prompt_tokens", "Prompt tokens per request",
                                        ["upstream"], buckets=TOKEN_BUCKETS, registry=r)
         self.cached_tokens = Histogram("prefixpin_cached_tokens",
-                                       "Prompt tokens served from the engine's cache",
-                                       ["upstream"], buckets=TOKEN_BUCKETS, registry=r)
+                                       "Prompt tokens served from the engine's cache "
+                                       "(source: measured by the engine, or estimated)",
+                                       ["upstream", "source"], buckets=TOKEN_BUCKETS,
+                                       registry=r)
         self.cached_fraction = Histogram("prefixpin_cached_fraction",
-                                         "Cached tokens / prompt tokens per request",
-                                         ["upstream"], buckets=FRACTION_BUCKETS, registry=r)
+                                         "Cached tokens / prompt tokens per request "
+                                         "(source: measured by the engine, or estimated)",
+                                         ["upstream", "source"], buckets=FRACTION_BUCKETS,
+                                         registry=r)
         self.ttft = Histogram("prefixpin_ttft_seconds",
                               "Request arrival to first generated output",
                               ["endpoint"], buckets=SECONDS_BUCKETS, registry=r)
@@ -89,6 +96,10 @@ class Metrics:
                                      "held their history)", registry=r)
         self.inflight = Gauge("prefixpin_inflight_generations",
                               "Upstream generations running now", registry=r)
+        self.cache_lost = Counter("prefixpin_cache_lost",
+                                  "Sessions whose engine cache is assumed gone (Ollama: a "
+                                  "model load seen in load_duration, an unload asked for, "
+                                  "the engine unreachable)", ["upstream", "reason"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

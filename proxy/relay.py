@@ -5,6 +5,15 @@ Stream first, decide later: a streaming client gets headers and a first comment 
 its status), heartbeat comments while the engine is silent (with the prefill progress in
 their text), the engine's frames unchanged and in order, and, if the engine fails after the
 headers went out, an OpenAI-shaped error event and a clean end of stream.
+
+Ollama's native API (``/api/chat``, ``/api/generate``) streams NDJSON, which has no
+comments: there the keep-alive is a space written before the next JSON object (the only
+bytes ollama-python, Ollama's Go client and ollama-js all parse and never see; see
+``proxy.ndjson``). A streaming native client gets the headers and one space at once, a
+space every ``--heartbeat`` seconds while Ollama is silent (queue, model load, prefill),
+then Ollama's lines unchanged; a failure after the headers is Ollama's own late-error line
+``{"error": "..."}``. A ``stream: false`` client gets nothing until the one JSON body, as
+from Ollama itself (padding would break ollama-python's parse of an error body).
 """
 
 from __future__ import annotations
@@ -20,9 +29,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from adapters.base import Frame, FrameKind, Progress
 from proxy.aggregate import aggregate
-from proxy.errors import ProxyError, error_event, error_response
+from proxy.errors import ProxyError, UpstreamStatusError, error_event, error_response
 from proxy.figures import count_of, figures_from, mapping_of, with_cached_tokens
 from proxy.generation import Generation, Subscriber
+from proxy.ndjson import (
+    GO_JSON_MEDIA_TYPE,
+    KEEPALIVE,
+    NDJSON_MEDIA_TYPE,
+    encode_json,
+    error_line,
+    fold_chat,
+    fold_generate,
+)
 from proxy.sse import encode_comment, encode_data
 from proxy.validation import ClientRequest
 
@@ -32,17 +50,24 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def respond(request: Request, client: ClientRequest, generation: Generation, *,
                   arrival: float, first_byte_s: float, heartbeat_s: float,
-                  on_heartbeat: Callable[[], None]) -> Response:
+                  on_heartbeat: Callable[[], None], fill_cached: bool = True) -> Response:
+    """``fill_cached``: the engine measures cached tokens, so a usage the engine left
+    without them may be completed from its other fields; otherwise nothing is added (an
+    estimate is never presented to a client as measured)."""
     subscriber = generation.subscribe()
     try:
+        if client.api == "ollama":
+            return await _native_response(request, subscriber, client, arrival=arrival,
+                                          first_byte_s=first_byte_s, heartbeat_s=heartbeat_s,
+                                          on_heartbeat=on_heartbeat)
         if client.stream:
             early_error = await _early_error(generation, arrival, first_byte_s)
             if early_error is not None:
                 subscriber.close()
                 return error_response(early_error)
-            body = _sse_body(subscriber, client, heartbeat_s, on_heartbeat)
+            body = _sse_body(subscriber, client, heartbeat_s, on_heartbeat, fill_cached)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await _json_response(request, subscriber, client)
+        return await _json_response(request, subscriber, client, fill_cached)
     except BaseException:
         subscriber.close()
         raise
@@ -65,9 +90,10 @@ async def _early_error(generation: Generation, arrival: float,
 
 
 async def _sse_body(subscriber: Subscriber, client: ClientRequest, heartbeat_s: float,
-                    on_heartbeat: Callable[[], None]) -> AsyncIterator[bytes]:
+                    on_heartbeat: Callable[[], None],
+                    fill_cached: bool = True) -> AsyncIterator[bytes]:
     generation = subscriber.generation
-    view = ClientView(client, generation)
+    view = ClientView(client, generation, fill_cached=fill_cached)
     try:
         yield encode_comment("prefixpin")
         last_sent = time.monotonic()
@@ -106,9 +132,11 @@ class ClientView:
     the engine would have sent it directly.
     """
 
-    def __init__(self, client: ClientRequest, generation: Generation) -> None:
+    def __init__(self, client: ClientRequest, generation: Generation, *,
+                 fill_cached: bool = True) -> None:
         self._client = client
         self._generation = generation
+        self._fill_cached = fill_cached
         self._held: Frame | None = None
 
     def bytes_for(self, frame: Frame) -> bytes | None:
@@ -129,7 +157,7 @@ class ClientView:
             return None  # the proxy sends its own heartbeats
         if frame.kind is FrameKind.PROGRESS:
             return frame.raw if self._client.wants_progress else None
-        if frame.kind is FrameKind.USAGE:
+        if frame.kind is FrameKind.USAGE and self._fill_cached:
             generation = self._generation
             return with_cached_tokens(frame, generation.frames, generation.progress).raw
         return frame.raw
@@ -164,7 +192,7 @@ def heartbeat_text(progress: Progress | None, generation: Generation) -> str:
 
 
 async def _json_response(request: Request, subscriber: Subscriber,
-                         client: ClientRequest) -> Response:
+                         client: ClientRequest, fill_cached: bool = True) -> Response:
     generation = subscriber.generation
     try:
         finished = await _finished_or_disconnected(request, generation)
@@ -175,7 +203,7 @@ async def _json_response(request: Request, subscriber: Subscriber,
     if generation.error is not None and not generation.completed:
         return error_response(generation.error)
     body = aggregate(generation.frames, chat=client.endpoint == "chat")
-    _ensure_usage(body, generation)
+    _ensure_usage(body, generation, fill_cached=fill_cached)
     return JSONResponse(body)
 
 
@@ -200,9 +228,10 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _ensure_usage(body: dict[str, Any], generation: Generation) -> None:
+def _ensure_usage(body: dict[str, Any], generation: Generation, *,
+                  fill_cached: bool = True) -> None:
     """Fill in what the engine's usage left out, from the proxy's figures (the engine's
-    own fields are kept as sent)."""
+    own fields are kept as sent); cached tokens only from an engine that measures them."""
     figures = figures_from(generation.frames, generation.progress)
     usage = dict(mapping_of(body.get("usage")))
     if figures.prompt_tokens is not None:
@@ -213,8 +242,84 @@ def _ensure_usage(body: dict[str, Any], generation: Generation) -> None:
         usage.get("completion_tokens"))
     if prompt is not None and completion is not None:
         usage.setdefault("total_tokens", prompt + completion)
-    details = dict(mapping_of(usage.get("prompt_tokens_details")))
-    details.setdefault("cached_tokens", figures.cached_tokens or 0)
-    usage["prompt_tokens_details"] = details
+    if fill_cached:
+        details = dict(mapping_of(usage.get("prompt_tokens_details")))
+        details.setdefault("cached_tokens", figures.cached_tokens or 0)
+        usage["prompt_tokens_details"] = details
     body["usage"] = usage
+
+
+# ------------------------------------------------------------- Ollama's native API (NDJSON)
+
+NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _native_response(request: Request, subscriber: Subscriber, client: ClientRequest,
+                           *, arrival: float, first_byte_s: float, heartbeat_s: float,
+                           on_heartbeat: Callable[[], None]) -> Response:
+    generation = subscriber.generation
+    if client.stream:
+        early_error = await _early_error(generation, arrival, first_byte_s)
+        if early_error is not None:
+            subscriber.close()
+            return native_error_response(early_error)
+        body = _ndjson_body(subscriber, heartbeat_s, on_heartbeat)
+        return StreamingResponse(body, media_type=NDJSON_MEDIA_TYPE, headers=NDJSON_HEADERS)
+    try:
+        finished = await _finished_or_disconnected(request, generation)
+    finally:
+        subscriber.close()
+    if not finished:
+        return Response(status_code=499)
+    if generation.error is not None and not generation.completed:
+        return native_error_response(generation.error)
+    chunks = [f.data for f in generation.frames
+              if f.data is not None and f.kind in (FrameKind.CHUNK, FrameKind.DONE)]
+    folded = fold_chat(chunks) if client.endpoint == "chat" else fold_generate(chunks)
+    return Response(encode_json(folded), media_type=GO_JSON_MEDIA_TYPE)
+
+
+async def _ndjson_body(subscriber: Subscriber, heartbeat_s: float,
+                       on_heartbeat: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Ollama's lines as they came, with spaces before them while Ollama is silent."""
+    generation = subscriber.generation
+    try:
+        yield KEEPALIVE
+        last_sent = time.monotonic()
+        while True:
+            wait = max(0.0, heartbeat_s - (time.monotonic() - last_sent))
+            try:
+                frame = await subscriber.next_frame(wait)
+            except StopAsyncIteration:
+                break
+            if frame is None:
+                on_heartbeat()
+                yield KEEPALIVE
+                last_sent = time.monotonic()
+                continue
+            frames = (frame, *subscriber.take_ready(BATCH_FRAMES))
+            out = b"".join(f.raw for f in frames if f.kind in (FrameKind.CHUNK, FrameKind.DONE))
+            if out:
+                yield out
+                last_sent = time.monotonic()
+        if generation.error is not None and not generation.completed:
+            yield error_line(generation.error.message)
+    finally:
+        subscriber.close()
+
+
+def native_error_response(exc: ProxyError) -> Response:
+    """An error before any byte, as Ollama answers one: its status and ``{"error": "..."}``
+    (Ollama's own error body is passed on as it came)."""
+    if isinstance(exc, UpstreamStatusError) and _is_json_object(exc.raw_body):
+        return error_response(exc)
+    return Response(encode_json({"error": exc.message}), status_code=exc.status_code,
+                    media_type=GO_JSON_MEDIA_TYPE, headers=exc.headers())
+
+
+def _is_json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (ValueError, UnicodeDecodeError):
+        return False
 

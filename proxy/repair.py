@@ -7,9 +7,13 @@ touched, and the engine re-prefills everything after it. Repair turns the incomi
 back into the session's committed one, message by message, by named policies:
 
     reasoning     an assistant message whose visible content is unchanged but whose
-                  reasoning (``reasoning_content``, a ``<think>`` block) was dropped
+                  reasoning (``reasoning_content``, a ``<think>`` block; Ollama's
+                  ``thinking`` and ``reasoning``) was dropped
     tool_calls    tool-call arguments re-serialized (key order, spacing), same JSON value
-    tool_results  a tool result (same ``tool_call_id``) shortened, truncated or cleared
+                  (Ollama's native arguments are objects), or a call's ``id``/``index``
+                  dropped (ollama-python keeps only a call's name and arguments)
+    tool_results  a tool result (same ``tool_call_id``, or Ollama's ``tool_name``)
+                  shortened, truncated or cleared
     window        early messages dropped (a moved compaction point): they are re-added
     volatile      system text whose only change is a volatile value (dates, times, the
                   Claude Code billing line, request nonces): the first value is kept
@@ -197,8 +201,7 @@ class Repairer:
             reasons.append(("reasoning", "restored the reasoning the client dropped"))
         old_calls, new_calls = old.get("tool_calls") or [], new.get("tool_calls") or []
         if canonical(old_calls) != canonical(new_calls):
-            if "tool_calls" not in enabled or _parsed_calls(old_calls) != _parsed_calls(
-                    new_calls) or _parsed_calls(old_calls) is None:
+            if "tool_calls" not in enabled or not _same_calls(old_calls, new_calls):
                 return []
             reasons.append(("tool_calls", "restored the tool-call arguments as produced"))
         return reasons
@@ -281,7 +284,8 @@ class Repairer:
 
 def _explain_tool_result(old: Message, new: Message, memory: RepairMemory
                          ) -> list[tuple[str, str]]:
-    if old.get("tool_call_id") != new.get("tool_call_id"):
+    if old.get("tool_call_id") != new.get("tool_call_id") or old.get(
+            "tool_name") != new.get("tool_name"):
         return []
     before, after = _text(old.get("content")), _text(new.get("content"))
     if len(after) < len(before):
@@ -331,26 +335,53 @@ def _visible_text(message: Message) -> str:
     return _THINK.sub("", _text(message.get("content"))).strip()
 
 
+# Where engines put an assistant message's reasoning: llama-server, Ollama's native API,
+# Ollama's OpenAI-compatible API.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Tool-call fields a client may drop (ollama-python keeps only name and arguments).
+_DROPPABLE_CALL_FIELDS = frozenset({"id", "type", "index", "function.index"})
+
+
 def _reasoning(message: Message) -> str:
     inline = "".join(re.findall(r"<think>(.*?)</think>", _text(message.get("content")),
                                 re.DOTALL))
-    return str(message.get("reasoning_content") or "") + inline
+    return "".join(str(message.get(name) or "") for name in REASONING_FIELDS) + inline
 
 
 def _other_fields(message: Message) -> str:
     return canonical({k: v for k, v in message.items()
-                      if k not in ("content", "reasoning_content", "tool_calls")})
+                      if k not in ("content", "tool_calls", *REASONING_FIELDS)})
 
 
-def _parsed_calls(calls: Sequence[Any]) -> str | None:
-    normal = []
-    for call in calls:
-        if not isinstance(call, Mapping):
-            return None
-        function = dict(call.get("function") or {})
+def _same_calls(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """The same calls, the arguments compared as JSON values (a string re-serialized, or
+    Ollama's object), and at most ``_DROPPABLE_CALL_FIELDS`` missing from ``new``: restoring
+    a field the client dropped brings back only bytes this session received."""
+    if len(old) != len(new):
+        return False
+    for before, after in zip(old, new, strict=True):
+        a, b = _flat_call(before), _flat_call(after)
+        if a is None or b is None or not set(b) <= set(a):
+            return False
+        if set(a) - set(b) - _DROPPABLE_CALL_FIELDS:
+            return False
+        if any(canonical(a[key]) != canonical(b[key]) for key in b):
+            return False
+    return True
+
+
+def _flat_call(call: object) -> dict[str, Any] | None:
+    """A tool call as flat fields, its arguments parsed when they are a JSON string."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return None
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) or arguments is None:
         try:
-            function["arguments"] = json.loads(function.get("arguments") or "null")
-        except (TypeError, ValueError):
+            arguments = json.loads(arguments or "null")
+        except ValueError:
             return None
-        normal.append({**call, "function": function})
-    return canonical(normal)
+    flat = {key: value for key, value in call.items() if key != "function"}
+    flat |= {f"function.{key}": value for key, value in function.items() if key != "arguments"}
+    flat["function.arguments"] = arguments
+    return flat

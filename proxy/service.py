@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
+from adapters.base import Adapter, EngineInfo, FrameKind, UpstreamCall, UpstreamStream
 from proxy.aggregate import aggregate
 from proxy.errors import (
     ClientError,
@@ -37,16 +37,29 @@ from proxy.identity import namespace_of
 from proxy.inflight import InFlight, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
+from proxy.ndjson import reply_message
 from proxy.placement import Lease, SlotPool, Want
 from proxy.relay import respond
 from proxy.settings import Settings
-from proxy.validation import ClientRequest, Endpoint, parse_request, read_body
+from proxy.validation import (
+    Api,
+    ClientRequest,
+    Endpoint,
+    parse_native_request,
+    parse_request,
+    read_body,
+)
 
 # A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
 # a prefix break: the engine re-read a conversation it already held.
 PREFIX_BREAK_SLACK = 256
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent")
+
+# Plan.extras key: for an engine that reports no cached count (Ollama before 0.33.3), a
+# function from the request's figures to the planner's estimate (None: no estimate). An
+# estimate goes to the metrics labelled source="estimated" and to the log, never to a client.
+CACHED_ESTIMATE = "cached_estimate"
 
 
 @dataclass(slots=True)
@@ -151,14 +164,20 @@ class ProxyService:
         # once: a killed engine's sessions are marked unverified within a probe).
         self.on_upstream_lost: Callable[[], None] | None = None
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+    async def handle(self, request: Request, endpoint: Endpoint, api: Api = "openai",
+                     raw: bytes | None = None) -> Response:
+        """``raw``: the body, when the caller has already read it (within the limit)."""
         arrival = time.monotonic()
         try:
-            raw = await read_body(request.stream(), request.headers.get("content-length"),
-                                  self.settings.max_body_bytes)
-            client = parse_request(raw, endpoint, request.url.path,
-                                   max_messages=self.settings.max_messages)
-            key = inflight_key(namespace_of(request.headers), endpoint, client.body)
+            if raw is None:
+                raw = await read_body(request.stream(), request.headers.get("content-length"),
+                                      self.settings.max_body_bytes)
+            parse = parse_native_request if api == "ollama" else parse_request
+            client = parse(raw, endpoint, request.url.path,
+                           max_messages=self.settings.max_messages)
+            # Another wire format is another answer: never joined across APIs.
+            key = inflight_key(namespace_of(request.headers),
+                               endpoint if api == "openai" else f"{api}-{endpoint}", client.body)
             running = self.inflight.find(key)
             if running is not None:
                 return await self._join(request, client, running, arrival)
@@ -174,6 +193,7 @@ class ProxyService:
             request, client, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
             heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
+            fill_cached=self.backend.adapter.capabilities.measured_cache,
         )
 
     async def _join(self, request: Request, client: ClientRequest, generation: Generation,
@@ -186,6 +206,7 @@ class ProxyService:
             request, client, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
             heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
+            fill_cached=self.backend.adapter.capabilities.measured_cache,
         )
 
     async def aclose(self) -> None:
@@ -241,13 +262,21 @@ class ProxyService:
         if isinstance(generation.error, UpstreamUnavailableError) and self.on_upstream_lost:
             self.on_upstream_lost()
         self.metrics.requests.labels(client.endpoint, outcome).inc()
+        estimated = _estimated_cached(plan, figures) if outcome == "ok" else None
+        if estimated is not None:
+            plan.notes["cached_tokens_estimated"] = estimated
+        if figures.load_ms is not None:
+            plan.notes["load_ms"] = round(figures.load_ms, 1)
         if figures.prompt_tokens is not None and outcome == "ok":
-            self._observe_cache(self.backend.label, figures)
+            self._observe_cache(self.backend.label, figures, estimated)
         timeline = generation.timeline
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint).observe(ttft)
-        reply = _reply_of(generation) if outcome == "ok" and client.endpoint == "chat" else None
+        reply = None
+        if outcome == "ok" and client.endpoint == "chat":
+            reply = _native_reply_of(generation) if client.api == "ollama" else _reply_of(
+                generation)
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
                                           round(ttft * 1000, 1) if ttft is not None else None,
                                           reply))
@@ -303,13 +332,37 @@ class ProxyService:
                       session=plan.session, shortfall=shortfall,
                       cached_tokens=figures.cached_tokens, prompt_tokens=figures.prompt_tokens)
 
-    def _observe_cache(self, upstream: str, figures: Figures) -> None:
+    def _observe_cache(self, upstream: str, figures: Figures, estimated: int | None) -> None:
+        """Cached tokens labelled by source: the engine's own count, else the planner's
+        estimate; neither known, no cached figure at all (an unknown is not a 0)."""
         self.metrics.prompt_tokens.labels(upstream).observe(figures.prompt_tokens or 0)
-        self.metrics.cached_tokens.labels(upstream).observe(figures.cached_tokens or 0)
-        if figures.cached_fraction is not None:
-            self.metrics.cached_fraction.labels(upstream).observe(figures.cached_fraction)
+        source, cached = "measured", figures.cached_tokens
+        if cached is None and estimated is not None:
+            source, cached = "estimated", estimated
+        if cached is not None:
+            self.metrics.cached_tokens.labels(upstream, source).observe(cached)
+            if figures.prompt_tokens:
+                self.metrics.cached_fraction.labels(upstream, source).observe(
+                    cached / figures.prompt_tokens)
         if figures.prompt_ms is not None:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
+
+
+def _estimated_cached(plan: Plan, figures: Figures) -> int | None:
+    """The planner's estimate of the cached tokens, when the engine reported none."""
+    estimate = plan.extras.get(CACHED_ESTIMATE)
+    if figures.cached_tokens is not None or not callable(estimate):
+        return None
+    value = estimate(figures)
+    if not isinstance(value, int):
+        return None
+    return max(0, min(value, figures.prompt_tokens or 0))
+
+
+def _native_reply_of(generation: Generation) -> Mapping[str, Any] | None:
+    """The assistant message of an Ollama ``/api/chat`` stream."""
+    return reply_message([f.data for f in generation.frames if f.data is not None
+                          and f.kind in (FrameKind.CHUNK, FrameKind.DONE)])
 
 
 def _reply_of(generation: Generation) -> Mapping[str, Any] | None:

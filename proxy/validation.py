@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from proxy.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
 Endpoint = Literal["chat", "completions"]
+Api = Literal["openai", "ollama"]  # the wire format a client speaks (ollama: /api/chat, ...)
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -48,6 +49,20 @@ FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
 }
 MESSAGE_STRING_FIELDS = ("name", "tool_call_id", "reasoning_content")
 
+# Ollama's native request fields (api.ChatRequest, api.GenerateRequest): ``stream`` defaults
+# to true there, ``/api/generate``'s ``logprobs`` is a boolean and its ``context`` a token list.
+_NATIVE_COMMON: dict[str, tuple[str, ...]] = {
+    "model": (_STR,), "format": (_STR, _OBJECT), "options": (_OBJECT,),
+    "keep_alive": (_STR, _NUMBER), "think": (_BOOL, _STR), "logprobs": (_BOOL,),
+    "top_logprobs": (_INT,),
+}
+NATIVE_FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
+    "chat": {**_NATIVE_COMMON, "tools": (_ARRAY,)},
+    "completions": {**_NATIVE_COMMON, "suffix": (_STR,), "system": (_STR,),
+                    "template": (_STR,), "context": (_ARRAY,), "raw": (_BOOL,),
+                    "images": (_ARRAY,)},
+}
+
 # A UTF-16 surrogate escape (\uD800-\uDFFF) in the raw JSON: only then can the parsed body
 # hold a lone surrogate, so only then is it searched for one.
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
@@ -62,6 +77,7 @@ class ClientRequest:
     stream: bool
     wants_usage: bool
     wants_progress: bool
+    api: Api = "openai"
 
 
 async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
@@ -97,6 +113,24 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     wants_usage = bool(options.get("include_usage")) if isinstance(options, Mapping) else False
     return ClientRequest(endpoint, path, body, stream, wants_usage,
                          _optional_bool(body, "return_progress"))
+
+
+def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
+                         max_messages: int) -> ClientRequest:
+    """An Ollama native body (``/api/chat``: messages; ``/api/generate``: a prompt). A
+    body with no messages or an empty prompt is a model load/unload request, which the
+    caller passes through before this point."""
+    body = _parse_object(raw)
+    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    if endpoint == "chat":
+        _check_messages(body.get("messages"), max_messages)
+    elif not isinstance(body.get("prompt"), str):
+        raise BadRequestError("'prompt' must be a string", param="prompt")
+    _check_field_types(body, NATIVE_FIELD_TYPES[endpoint])
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequestError("'stream' must be a boolean", param="stream")
+    return ClientRequest(endpoint, path, body, stream is not False, False, False, "ollama")
 
 
 def _parse_object(raw: bytes) -> dict[str, Any]:

@@ -1,0 +1,284 @@
+"""Sessions in front of Ollama, on both of its APIs: what applies of the cache layer when the
+engine chooses its own slots, and Ollama's model lifecycle.
+
+Ollama runs llama-server underneath but picks the slot itself and never takes ``id_slot``,
+so there is no slot pinning, no slot queue and no parking. Everything else applies to
+``/v1/chat/completions``, ``/v1/completions``, ``/api/chat`` and ``/api/generate`` alike:
+identity (namespaces, explicit keys, fingerprints with ``--tokenizer``), bytes decide,
+history repair (native messages included: ``thinking``, object tool-call arguments,
+``images``), join in flight and figures.
+
+Cached tokens come from Ollama when it reports them (0.33.3 and later). When it does not,
+the proxy estimates them from its record of the session: a request that extends (or
+repeats) the session's committed history reuses the committed prompt's tokens, anything
+else 0. The estimate is labelled (``source="estimated"`` on the cached-token metrics, a
+``cached_tokens_estimated`` log field) and never reaches a client's usage.
+
+Model lifecycle. ``keep_alive`` goes to Ollama as sent. A model that was unloaded (expiry,
+``keep_alive: 0``, eviction by another model, a restart) loses every slot's cache; the
+proxy notices a load from ``load_duration`` (a cold load takes hundreds of milliseconds, a
+warm request a few), from a cached count of 0 on a request that extended its session, from
+an unload or load request passing through, or from the engine becoming unreachable. Every
+session on that model is then marked *cold*: its committed history is kept (bytes still
+decide and repair still applies), its cache is assumed gone (the next estimate is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from adapters._http import map_httpx_errors
+from proxy.affinity import AffinityPlanner
+from proxy.errors import ProxyError, UpstreamError
+from proxy.figures import Figures
+from proxy.logs import log_event
+from proxy.metrics import Metrics
+from proxy.passthrough import HOP_BY_HOP, forward
+from proxy.placement import Lease
+from proxy.relay import native_error_response
+from proxy.service import CACHED_ESTIMATE, Backend, Outcome, Plan, ProxyService
+from proxy.sessions import Session
+from proxy.validation import ClientRequest, Endpoint, read_body
+
+# A load takes hundreds of milliseconds (a runner process starts and reads the weights);
+# a warm request's load_duration is a few milliseconds (0.35.1 recordings: 0.78 s and
+# 2.13 s cold, 1.07 ms and 2.9 ms warm). A load is at least this, and this many times the
+# model's warm figure.
+COLD_LOAD_MIN_MS = 100.0
+COLD_LOAD_FACTOR = 20.0
+
+_GO_DURATION = re.compile(r"[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h)")
+
+
+@dataclass(slots=True)
+class CacheState:
+    """What the proxy believes Ollama holds for one session."""
+
+    model: str | None = None
+    cold: str | None = None  # why its cache is assumed gone; None while it is believed warm
+
+
+def model_key(name: object) -> str:
+    """Ollama's model name as it resolves it: ``llama3`` is ``llama3:latest``."""
+    text = name if isinstance(name, str) else ""
+    return text if ":" in text.rsplit("/", 1)[-1] else f"{text}:latest"
+
+
+def unloads(keep_alive: object) -> bool:
+    """``keep_alive`` of zero (``0``, ``"0"``, ``"0s"``, ``"0m0s"``): unload when idle."""
+    if isinstance(keep_alive, bool):
+        return False
+    if isinstance(keep_alive, int | float):
+        return keep_alive == 0
+    if not isinstance(keep_alive, str):
+        return False
+    if keep_alive.strip() in ("0", "+0", "-0"):
+        return True
+    if not _GO_DURATION.fullmatch(keep_alive):
+        return False
+    return all(float(number) == 0 for number in _DURATION_PART.findall(keep_alive))
+
+
+class OllamaPlanner:
+    """Session affinity without slots: the affinity planner decides (identity, bytes,
+    repair), this adds the cached-token estimate and the model lifecycle."""
+
+    def __init__(self, inner: AffinityPlanner, metrics: Metrics, logger: logging.Logger,
+                 upstream: str) -> None:
+        self.inner = inner
+        self.store = inner.store
+        self.metrics = metrics
+        self.log = logger
+        self.upstream = upstream
+        self._warm_load_ms: dict[str, float] = {}  # per model, the smallest warm load seen
+
+    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
+        plan = await self.inner.plan(client, request, backend)
+        plan.want = None  # Ollama chooses the slot
+        session = self.store.get(plan.session) if plan.session else None
+        if session is None:
+            return plan
+        state = cache_state(session)
+        model = model_key(plan.body.get("model"))
+        reusable = 0
+        if state.cold is not None:
+            plan.notes["cache"] = f"cold: {state.cold}"
+        elif session.last_decision == "resumed" and state.model == model:
+            reusable = session.prompt_tokens
+        plan.extras[CACHED_ESTIMATE] = _Estimate(self, model, reusable)
+        plan.extras["ollama_resumed"] = reusable > 0
+        return plan
+
+    async def on_lease(self, plan: Plan, lease: Lease) -> None:
+        return None  # never called: no slot leases in front of Ollama
+
+    def commit(self, plan: Plan, outcome: Outcome) -> None:
+        self.inner.commit(plan, outcome)
+        session = self.store.get(plan.session) if plan.session else None
+        if session is None or not outcome.ok:
+            return
+        model = model_key(plan.body.get("model"))
+        state = cache_state(session)
+        state.model = model
+        figures = outcome.figures
+        if self.cold_load(model, figures):
+            plan.notes["cache"] = f"cold: model loaded ({figures.load_ms:.0f} ms)"
+            self.lost(model, f"model {model} was loaded again (load_duration "
+                      f"{figures.load_ms:.0f} ms)", "model_loaded", keep=session)
+        elif figures.load_ms is not None:
+            warm = self._warm_load_ms.get(model, figures.load_ms)
+            self._warm_load_ms[model] = min(warm, figures.load_ms)
+        if plan.extras.get("ollama_resumed") and figures.cached_tokens == 0:
+            plan.notes["cache"] = "cold: a resumed session got no cached tokens"
+            self.lost(model, f"model {model} reported 0 cached tokens for a session it held",
+                      "cached_dropped", keep=session)
+        state.cold = None  # Ollama now holds this session's prompt
+        if unloads(plan.body.get("keep_alive")):
+            self.lost(model, f"keep_alive 0 unloaded {model} after the request", "unloaded")
+
+    def cold_load(self, model: str, figures: Figures) -> bool:
+        """``load_duration`` says the model was loaded for this request."""
+        if figures.load_ms is None:
+            return False
+        warm = self._warm_load_ms.get(model)
+        threshold = COLD_LOAD_MIN_MS if warm is None else max(COLD_LOAD_MIN_MS,
+                                                              COLD_LOAD_FACTOR * warm)
+        return figures.load_ms >= threshold
+
+    def lost(self, model: str | None, reason: str, kind: str, *,
+             keep: Session | None = None) -> None:
+        """Every session on ``model`` (every session, for None) but ``keep`` is cold now."""
+        marked = 0
+        for session in self.store:
+            state = cache_state(session)
+            if session is keep or (model is not None and state.model != model):
+                continue
+            if state.cold is None:
+                marked += 1
+            state.cold = reason
+            session.last_decision, session.last_reason = "cold", reason
+        if marked:
+            self.metrics.cache_lost.labels(self.upstream, kind).inc(marked)
+            log_event(self.log, logging.INFO, "cache lost", upstream=self.upstream,
+                      model=model, sessions=marked, reason=reason)
+
+    def engine_lost(self, reason: str) -> None:
+        """The engine stopped answering: if it restarted, every cache is gone."""
+        self.lost(None, reason, "engine_unreachable")
+
+
+class _Estimate:
+    """The cached tokens a request is estimated to reuse, decided once its figures are in:
+    nothing when the model had to be loaded for it, never the whole prompt (the engine
+    always evaluates the last prompt token)."""
+
+    def __init__(self, planner: OllamaPlanner, model: str, reusable: int) -> None:
+        self._planner = planner
+        self._model = model
+        self._reusable = reusable
+
+    def __call__(self, figures: Figures) -> int:
+        if self._planner.cold_load(self._model, figures):
+            return 0
+        return max(0, min(self._reusable, (figures.prompt_tokens or 0) - 1))
+
+
+def cache_state(session: Session) -> CacheState:
+    state = session.pinned.get("ollama")
+    if not isinstance(state, CacheState):
+        state = session.pinned["ollama"] = CacheState()
+    return state
+
+
+# ------------------------------------------------------------------------ native routes
+
+async def handle_native(service: ProxyService, request: Request,
+                        endpoint: Endpoint) -> Response:
+    """``/api/chat`` and ``/api/generate``: through the request path when fronting Ollama;
+    a model load or unload request (no messages, an empty prompt) passes straight through.
+    Errors are Ollama-shaped (``{"error": "..."}``)."""
+    adapter = service.backend.adapter
+    if adapter.name != "ollama":
+        return await forward(request, adapter.http)
+    try:
+        raw = await read_body(request.stream(), request.headers.get("content-length"),
+                              service.settings.max_body_bytes)
+        lifecycle = _lifecycle_request(raw, endpoint)
+        if lifecycle is not None:
+            return await _lifecycle(service, request, raw, lifecycle)
+        return await service.handle(request, endpoint, api="ollama", raw=raw)
+    except ProxyError as exc:
+        return native_error_response(exc)
+
+
+def _lifecycle_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any] | None:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None  # the request path answers it with a 400
+    if not isinstance(body, dict):
+        return None
+    empty = not body.get("messages") if endpoint == "chat" else not body.get("prompt")
+    return body if empty and not body.get("images") else None
+
+
+async def _lifecycle(service: ProxyService, request: Request, raw: bytes,
+                     body: Mapping[str, Any]) -> Response:
+    """Forward a load/unload request; a load or an unload empties the model's cache."""
+    http = service.backend.adapter.http
+    model = model_key(body.get("model"))
+    loaded = await _is_loaded(http, model)
+    response = await _forward_raw(request, http, raw)
+    planner = service.planner
+    if isinstance(planner, OllamaPlanner) and response.status_code < 400:
+        if unloads(body.get("keep_alive")):
+            planner.lost(model, f"unload of {model} requested (keep_alive 0)", "unloaded")
+        elif not loaded:
+            planner.lost(model, f"load of {model} requested while it was not loaded",
+                         "model_loaded")
+    return response
+
+
+async def _is_loaded(http: httpx.AsyncClient, model: str) -> bool:
+    """Whether ``/api/ps`` lists the model (False when it cannot be read: assume a load)."""
+    try:
+        with map_httpx_errors("GET /api/ps"):
+            response = await http.get("/api/ps")
+        models = response.json().get("models") if response.status_code == 200 else None
+    except (UpstreamError, ValueError, AttributeError):
+        return False
+    return isinstance(models, list) and any(
+        isinstance(m, Mapping) and model in (m.get("name"), m.get("model")) for m in models)
+
+
+async def _forward_raw(request: Request, http: httpx.AsyncClient, raw: bytes) -> Response:
+    headers = [(k, v) for k, v in request.headers.raw
+               if k.decode("latin-1").lower() not in HOP_BY_HOP]
+    upstream = http.build_request(request.method, request.url.path, headers=headers,
+                                  content=raw)
+    with map_httpx_errors(f"{request.method} {request.url.path}"):
+        response = await http.send(upstream, stream=True)
+    return StreamingResponse(
+        _body(response), status_code=response.status_code,
+        headers={k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP},
+        background=BackgroundTask(response.aclose))
+
+
+async def _body(response: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        with map_httpx_errors("pass-through body"):
+            async for chunk in response.aiter_raw():
+                yield chunk
+    finally:
+        await response.aclose()
