@@ -3,22 +3,45 @@
 The llama-server arm is the real llama-server built by the rig; the embedded arm is the
 in-process llama.cpp engine. Both run SmolLM2 with small prefill batches, so a prompt of a
 few hundred tokens is prefilled in several batches and a disconnect can land mid-prefill.
+
+The Ollama arms (its OpenAI-compatible API, and the same calls on its native ``/api/chat``)
+run against the recorded-format fake Ollama (``proxy.testing.fake_ollama``): Ollama cannot
+be installed on these machines. The fake prefills in batches of the same size, slowly
+enough for a disconnect to land mid-prefill, and counts cached tokens as llama-server under
+Ollama 0.33.3 and later reports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
 
 import httpx
 import pytest
 
-from adapters.base import Adapter
+from adapters.base import Adapter, UpstreamCall
 from adapters.llama_server import LlamaServerAdapter
+from adapters.ollama import OllamaAdapter
+from proxy.asgi_transport import StreamingASGITransport
 from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
 from proxy.rig.models import ensure_model
+from proxy.testing.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
 
 BATCH = 64
 TIMEOUT = httpx.Timeout(connect=5, read=300, write=60, pool=5)
+OLLAMA_MODEL = "smollm2:135m"
+
+
+class NativeOllamaAdapter(OllamaAdapter):
+    """The contract's OpenAI-style calls sent to Ollama's native ``/api/chat`` instead, as
+    an Ollama-native client sends them (``max_tokens`` as ``options.num_predict``)."""
+
+    def prepare(self, path: str, body: Mapping[str, Any], *, slot: int | None) -> UpstreamCall:
+        native = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+        native["options"] = {"num_predict": body.get("max_tokens"),
+                             "temperature": body.get("temperature")}
+        return super().prepare("/api/chat" if path.endswith("chat/completions") else path,
+                               native, slot=slot)
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +53,23 @@ def contract_llama() -> Iterator[LlamaServerProcess]:
 
 
 @pytest.fixture(params=[pytest.param("llama-server", marks=pytest.mark.llama),
-                        pytest.param("embedded", marks=pytest.mark.embedded)])
+                        pytest.param("embedded", marks=pytest.mark.embedded),
+                        "ollama", "ollama-native"])
 async def adapter(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                   ) -> AsyncIterator[Adapter]:
+    if request.param.startswith("ollama"):
+        fake = create_fake_ollama(FakeOllamaConfig(
+            models=(FakeModel(OLLAMA_MODEL),), num_parallel=2, batch_tokens=BATCH,
+            prefill_seconds_per_token=0.002, decode_seconds_per_token=0.001,
+            load_seconds=0.05))
+        http = httpx.AsyncClient(base_url="http://fake-ollama", timeout=TIMEOUT,
+                                 transport=StreamingASGITransport(fake))
+        kind = NativeOllamaAdapter if request.param == "ollama-native" else OllamaAdapter
+        ollama = kind(http)
+        await ollama.probe()
+        yield ollama
+        await ollama.aclose()
+        return
     if request.param == "llama-server":
         server: LlamaServerProcess = request.getfixturevalue("contract_llama")
         http = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT)
