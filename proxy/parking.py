@@ -81,6 +81,7 @@ _PACKED_MARKER, _PACKED_VERSION = -1, 1  # server_tokens::serialize
 DIGEST_BYTES = 16
 PROBE_TIMEOUT_S = 10.0
 EXIT_PARK_TIMEOUT_S = 30.0
+NOT_REUSED_LIMIT = 2  # restores in a row the engine re-processed before parking pauses
 DISK_HEADROOM = 1.1  # free space wanted before a save, over the estimated file size
 
 FileFault = Literal["missing", "truncated", "mismatched", "corrupted"]
@@ -312,15 +313,40 @@ class EngineLimits:
     cache_ram_mib: float | None = None  # llama-server's host-RAM cache; None: unknown / none
     clears_idle_slots: bool = False  # unified KV + --cache-idle-slots empties idle slots
     slot_save_path: Path | None = None  # from the engine's command line, when readable
+    flags_known: bool = False  # the engine's command line was read (--swa-full is known)
     source: str = "engine probe"
+
+    @property
+    def restores_reprocessed(self) -> bool:
+        """Sliding window without --swa-full: llama-server re-processes every prompt on a
+        restored slot, even an exact extension (measured with Gemma 3: every reuse of a
+        sliding-window slot goes through a context checkpoint, and a restore clears them)."""
+        return self.sliding_window > 0
+
+    @property
+    def exact_extension_only(self) -> bool:
+        """Recurrent/hybrid memory: a restored slot serves a prompt only if the prompt's
+        tokens extend *all* the tokens it holds (any rewind needs a checkpoint)."""
+        return self.recurrent and not self.sliding_window
+
+    @property
+    def memory(self) -> str:
+        if self.sliding_window:
+            return f"sliding-window attention ({self.sliding_window} tokens)"
+        return "recurrent/hybrid memory" if self.recurrent else "full attention"
 
     def notes(self) -> list[str]:
         out = []
-        if self.sliding_window or self.recurrent:
-            what = (f"sliding-window attention ({self.sliding_window} tokens)"
-                    if self.sliding_window else "recurrent/hybrid memory")
-            out.append(f"the model uses {what}: a restored slot has no context checkpoints, "
-                       "so only requests that extend the parked history are restored")
+        if self.restores_reprocessed:
+            swa = ("without --swa-full" if self.flags_known
+                   else "and llama-server may run without --swa-full (its flags are not "
+                        "readable here): if restores are not reused, parking stops itself")
+            out.append(f"the model uses {self.memory} {swa}: a restored slot has no context "
+                       "checkpoints and llama-server re-processes it from the first token")
+        if self.exact_extension_only:
+            out.append(f"the model uses {self.memory}: a restored slot has no context "
+                       "checkpoints, so a file is restored only when the request's tokens "
+                       "extend all the tokens it holds")
         if self.cache_ram_mib:
             ram = "no limit" if self.cache_ram_mib < 0 else f"{self.cache_ram_mib:.0f} MiB"
             out.append(f"llama-server keeps its own host-RAM prompt cache (--cache-ram {ram}); "
@@ -359,7 +385,7 @@ def engine_limits(settings: Settings, info: EngineInfo) -> EngineLimits:
         window, recurrent, cache_ram if cache_ram != 0 else None,
         clears_idle_slots=bool(unified and idle and cache_ram != 0),
         slot_save_path=Path(save_path) if isinstance(save_path, str) and save_path else None,
-        source=f"{source} and {flags.source}")
+        flags_known=True, source=f"{source} and {flags.source}")
 
 
 # ---------------------------------------------------------------- the manager
@@ -410,6 +436,8 @@ class ParkManager:
         self._owner_of: dict[str, str] = {}  # park id -> session id
         self._unparked: dict[str, str] = {}  # session id -> why it has no file
         self._bytes_per_token: float | None = None
+        self._restored: dict[str, int] = {}  # session id -> tokens restored, until its commit
+        self._not_reused = 0  # restores in a row the engine re-processed anyway
         self._update_gauges()
 
     # -- eviction: save ---------------------------------------------------------------
@@ -543,11 +571,17 @@ class ParkManager:
                                   f"{self.model}", level=logging.INFO)
         started = time.monotonic()
         path = self.config.files_dir / record.filename
-        fault = await asyncio.to_thread(_check_file, path, record, self.config.verify_content)
-        if fault is not None:
+        try:
+            tokens = await asyncio.to_thread(_check_file, path, record,
+                                             self.config.verify_content)
+        except SlotFileError as fault:
             self._remove(record, "invalid")
             return self._declined(session, record, fault.fault, fault.reason,
                                   level=logging.WARNING)
+        if self.limits.exact_extension_only:
+            rewind = await self._rewinds_tokens(body, tokens)
+            if rewind is not None:
+                return self._declined(session, record, "diverged", rewind, level=logging.INFO)
         try:
             result = await self.adapter.restore_slot(slot, record.filename)
         except ProxyError as exc:
@@ -563,6 +597,7 @@ class ParkManager:
                                   f"held {record.n_tokens}", level=logging.WARNING)
         seconds = time.monotonic() - started
         self.index.touch(record.park_id, time.time())
+        self._restored[session.id] = result.n_tokens
         self.metrics.restores.labels("restored").inc()
         self.metrics.restore_seconds.observe(seconds)
         note = f"restored {result.n_tokens} tokens in {seconds * 1000:.0f} ms"
@@ -570,6 +605,24 @@ class ParkManager:
                   tokens=result.n_tokens, bytes=record.size, file=record.filename,
                   ms=round(seconds * 1000, 1), engine_ms=round(result.ms, 1))
         return RestoreResult("restored", note, result.n_tokens, seconds)
+
+    async def _rewinds_tokens(self, body: Mapping[str, Any], held: list[int]) -> str | None:
+        """Why the request's prompt does not extend every token the file holds (the
+        engine would re-process it all: no checkpoint survives a restore), or None."""
+        try:
+            text = (await self.adapter.apply_template(body) if "messages" in body
+                    else body.get("prompt"))
+            if not isinstance(text, str):
+                return "the request's prompt is not text: its tokens cannot be compared"
+            prompt = await self.adapter.tokenize(text, add_special=True)
+        except ProxyError as exc:
+            return f"cannot compare the request's tokens with the file's ({exc.message})"
+        shared = _common_prefix(prompt, held)
+        if shared == len(held) and len(prompt) > len(held):
+            return None
+        return (f"the request's tokens leave the parked ones at token {shared} of "
+                f"{len(held)}; with {self.limits.memory} a restored slot would be "
+                "re-processed from the start")
 
     def _declined(self, session: Session, record: ParkRecord, outcome: str, reason: str, *,
                   level: int) -> RestoreResult:
@@ -616,10 +669,33 @@ class ParkManager:
                   tokens=record.n_tokens, file=record.filename)
 
     def touch(self, session_id: str) -> None:
-        """A committed turn: the session's parked file stays recent for the LRU budget."""
+        """A committed turn: the session's parked file stays recent for the LRU budget, and
+        a restore is judged by what the engine reused of it."""
         park_id = self._record_of.get(session_id)
         if park_id is not None:
             self.index.touch(park_id, time.time())
+        restored = self._restored.pop(session_id, None)
+        session = self.store.get(session_id)
+        if restored is not None and session is not None and session.turns:
+            self._judge_reuse(session, restored, session.turns[-1].cached_tokens)
+
+    def _judge_reuse(self, session: Session, restored: int, cached: int | None) -> None:
+        """An engine that re-processes restored slots (a sliding-window model without
+        --swa-full, whose flags this proxy could not read) makes every park a waste: after
+        two such restores in a row, parking pauses and says why."""
+        if cached is None:
+            return
+        if cached * 100 >= restored:
+            self._not_reused = 0
+            return
+        self._not_reused += 1
+        self.metrics.restores.labels("not_reused").inc()
+        log_event(self.log, logging.WARNING, "restore not reused", session=session.id,
+                  restored=restored, cached=cached)
+        if self._not_reused >= NOT_REUSED_LIMIT and self.suspended is None:
+            self.suspended = (f"the engine re-processed {self._not_reused} restored slots in a "
+                              "row (sliding-window model without --swa-full?)")
+            log_event(self.log, logging.WARNING, "parking paused", reason=self.suspended)
 
     def parked_view(self) -> dict[str, Any]:
         records = self.index.oldest_first()
@@ -701,9 +777,10 @@ class ParkManager:
         if not after.slot_save_path:
             self.suspended = "the engine restarted without --slot-save-path"
             log_event(self.log, logging.WARNING, "parking paused", reason=self.suspended)
-        elif self.suspended is not None:
+        elif self.suspended is not None:  # perhaps restarted with --slot-save-path, --swa-full
             self.suspended = None
-            log_event(self.log, logging.INFO, "parking resumed")
+            self._not_reused = 0
+            log_event(self.log, logging.INFO, "parking resumed", reason="engine restarted")
         self._update_gauges()
 
     async def aclose(self, pool: SlotPool | None) -> None:
@@ -761,29 +838,36 @@ def _digest_prefix(committed: Sequence[bytes], incoming: Sequence[bytes]) -> boo
     return 0 < n <= len(incoming) and tuple(incoming[:n]) == tuple(committed)
 
 
-def _check_file(path: Path, record: ParkRecord, verify_content: bool) -> SlotFileError | None:
-    """Is the file still the one parked? (blocking: run it in a thread)"""
+def _check_file(path: Path, record: ParkRecord, verify_content: bool) -> list[int]:
+    """The file's tokens, if it is still the one parked; else SlotFileError (blocking:
+    run it in a thread)."""
     size = _size_of(path)
     if size is None:
-        return SlotFileError("missing", f"park file {record.filename} is gone")
+        raise SlotFileError("missing", f"park file {record.filename} is gone")
     if size < record.size:
-        return SlotFileError("truncated", f"park file {record.filename} has {size} of "
-                                          f"{record.size} bytes")
+        raise SlotFileError("truncated", f"park file {record.filename} has {size} of "
+                                         f"{record.size} bytes")
     if size > record.size:
-        return SlotFileError("mismatched", f"park file {record.filename} grew to {size} "
-                                           f"bytes from {record.size}")
-    try:
-        tokens = read_slot_tokens(path)
-    except SlotFileError as exc:
-        return exc
+        raise SlotFileError("mismatched", f"park file {record.filename} grew to {size} "
+                                          f"bytes from {record.size}")
+    tokens = read_slot_tokens(path)
     if len(tokens) != record.n_tokens or tokens_digest(tokens) != record.tokens_digest:
-        return SlotFileError("mismatched", f"park file {record.filename} holds another token "
-                                           "list than the one parked")
+        raise SlotFileError("mismatched", f"park file {record.filename} holds another token "
+                                          "list than the one parked")
     if (verify_content and record.content_digest is not None
             and file_digest(path) != record.content_digest):
-        return SlotFileError("corrupted", f"park file {record.filename} changed since it "
-                                              "was parked (content digest)")
-    return None
+        raise SlotFileError("corrupted", f"park file {record.filename} changed since it "
+                                         "was parked (content digest)")
+    return tokens
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _size_of(path: Path) -> int | None:
@@ -825,6 +909,11 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
         off("the engine has no --slot-save-path")
         return None
     limits = await asyncio.to_thread(engine_limits, settings, info)
+    if limits.restores_reprocessed and limits.flags_known:
+        off(f"the model uses {limits.memory} and llama-server runs without --swa-full: it "
+            "re-processes a restored slot from the first token (a restore clears the context "
+            "checkpoints every reuse needs); start it with --swa-full to park")
+        return None
     files_dir, index_dir, where = _park_dirs(settings, info, limits)
     if files_dir is None or index_dir is None:
         off("--park-dir is not set: it must be the engine's --slot-save-path as this proxy "

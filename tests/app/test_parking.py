@@ -42,6 +42,9 @@ class SlotFileFakeLlama(FakeLlamaServer):
         self.vocab: dict[str, int] = {}
         self.words: list[str] = []
         self.slot_faults: list[str] = []  # "save": the next save fails (disk error)
+        # As llama-server with a sliding-window model and no --swa-full: a restore succeeds
+        # but the slot cannot be reused (the next prompt is re-processed from the start).
+        self.reprocess_restored = False
         self.actions: list[tuple[str, int, str]] = []
 
     async def _slot_action(self, request: Request) -> Response:
@@ -68,7 +71,8 @@ class SlotFileFakeLlama(FakeLlamaServer):
             if restored is None:
                 return _error(400, "Unable to restore slot: No available space in KV cache or "
                                    "invalid slot save file", "invalid_request_error")
-            slot.tokens.extend(self.words[i] for i in restored)
+            if not self.reprocess_restored:
+                slot.tokens.extend(self.words[i] for i in restored)
             return JSONResponse({"id_slot": slot.id, "filename": filename,
                                  "n_restored": len(restored),
                                  "n_read": path.stat().st_size,
@@ -409,3 +413,60 @@ async def test_a_park_dir_the_engine_does_not_write_to_turns_parking_off(
         await ask(client, conversation("A", 1), "A")
     [off] = events(caplog, "parking off")
     assert "--slot-save-path as this proxy sees it" in off["reason"]
+
+
+async def test_parking_pauses_itself_when_the_engine_re_processes_restored_slots(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that accepts restores but re-processes the restored slot anyway (llama-server
+    with a sliding-window model and no --swa-full, when its flags are not readable here):
+    after two such restores in a row parking pauses, says why, and stops writing files."""
+    engine = SlotFileFakeLlama(tmp_path)
+    engine.reprocess_restored = True
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        await ask(client, conversation("A", 2), "A")  # restored, not reused
+        await ask(client, conversation("B", 2), "B")  # restored, not reused: pause
+        saves = [a for a in engine.actions if a[0] == "save"]
+        await ask(client, conversation("C", 1), "C")
+        assert await metric(client, "prefixpin_restores_total", outcome="not_reused") == 2
+        assert await metric(client, "prefixpin_parks_total", outcome="off") == 1
+        view = (await client.get("/sessions")).json()["parking"]
+        assert [a for a in engine.actions if a[0] == "save"] == saves
+    [paused] = events(caplog, "parking paused")
+    assert "re-processed 2 restored slots" in paused["reason"]
+    assert view["on"] is False
+
+
+@pytest.mark.embedded
+async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
+        tmp_path: Path) -> None:
+    """The embedded llama.cpp engine (one slot): its files go to Settings.slot_dir(), the
+    index beside them; A is parked when B comes, restored when A returns, and restored
+    again by a new proxy after a restart (a clean shutdown parked it)."""
+    from proxy.app import create_app
+    from proxy.asgi_transport import StreamingASGITransport
+    from proxy.rig.models import ensure_model
+    from proxy.settings import Settings
+
+    config = Settings(model=ensure_model("smollm2"), slots=1, ctx_size=2048, threads=2,
+                      park_dir=tmp_path, park_min_tokens=64)
+
+    async def session(turns: list[tuple[str, int]]) -> list[dict[str, Any]]:
+        app = create_app(config)
+        answers = []
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=StreamingASGITransport(app), base_url="http://proxy",
+                timeout=300) as client:
+            for name, turn in turns:
+                answers.append(await ask(client, conversation(name, turn), name,
+                                         temperature=0))
+        return answers
+
+    a1, _, a2 = await session([("A", 1), ("B", 1), ("A", 2)])
+    [a3] = await session([("A", 3)])
+    assert cached(a2) >= prompt(a1)
+    assert cached(a3) >= prompt(a2)
+    assert park_files(config.slot_dir())
+    assert (tmp_path / INDEX_NAME).exists()

@@ -77,6 +77,7 @@ class Sessions:
     def __init__(self) -> None:
         self.histories: dict[str, list[Json]] = {}
         self.last_body: dict[str, Json] = {}
+        self.first_body: dict[str, Json] = {}
 
     def turn(self, url: str, name: str, number: int) -> Json:
         history = self.histories.setdefault(name, [
@@ -85,6 +86,7 @@ class Sessions:
                         "content": f"Turn {number}: " + filler(25, seed=ord(name) * 10 + number)})
         body = {"messages": list(history), "max_tokens": 8, "temperature": 0}
         self.last_body[name] = body
+        self.first_body.setdefault(name, body)
         response = httpx.post(f"{url}/v1/chat/completions", json=body,
                               headers={"x-session-id": f"ses-{name}"}, timeout=300)
         assert response.status_code == 200, response.text
@@ -110,6 +112,16 @@ def cold_answer(engine: LlamaServerProcess, body: Json) -> str:
     """The engine's own answer with nothing reused (slot 1, no prompt cache)."""
     response = httpx.post(f"{engine.url}/v1/chat/completions",
                           json={**body, "cache_prompt": False, "id_slot": 1}, timeout=300)
+    response.raise_for_status()
+    return text(response.json())
+
+
+def resident_answer(engine: LlamaServerProcess, first: Json, then: Json) -> str:
+    """The answer to ``then`` from a slot that ran ``first`` just before (never evicted)."""
+    httpx.post(f"{engine.url}/v1/chat/completions", timeout=300,
+               json={**first, "cache_prompt": False, "id_slot": 1}).raise_for_status()
+    response = httpx.post(f"{engine.url}/v1/chat/completions", timeout=300,
+                          json={**then, "id_slot": 1})
     response.raise_for_status()
     return text(response.json())
 
@@ -329,3 +341,57 @@ def _wait_busy(engine: LlamaServerProcess, timeout: float = 60) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the long generations never occupied both slots")
+
+
+@contextmanager
+def gemma(park: Path, *extra: str) -> Iterator[LlamaServerProcess]:
+    """Gemma 3 270M: sliding-window attention (512 tokens)."""
+    with run_llama_server("gemma3", slots=2, ctx_per_slot=4096, slot_save_path=park,
+                          extra=["-b", "64", "-ub", "64", *extra]) as handle:
+        yield handle
+
+
+def test_a_sliding_window_model_without_swa_full_is_not_parked(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without --swa-full, llama-server re-processes a restored slot from its first token,
+    even for an exact extension of the tokens it holds (every reuse of a sliding-window slot
+    goes through a context checkpoint, and a restore clears them): shown here straight on
+    the engine. The proxy, which reads the engine's flags and the GGUF, leaves parking off
+    and says why."""
+    caplog.set_level(logging.INFO, "prefixpin")
+    with gemma(tmp_path) as engine:
+        with proxy(engine, tmp_path):
+            pass
+        [off] = events(caplog, "parking off")
+        assert "sliding-window attention (512 tokens)" in off["reason"]
+        assert "--swa-full" in off["reason"]
+        first = filler(150, seed=5) + "\n\n"
+        cold = httpx.post(f"{engine.url}/v1/completions", timeout=600, json={
+            "prompt": first, "max_tokens": 1, "temperature": 0, "id_slot": 0}).json()
+        saved = httpx.post(f"{engine.url}/slots/0", params={"action": "save"},
+                           json={"filename": "probe.bin"}, timeout=60).json()
+        httpx.post(f"{engine.url}/slots/1", params={"action": "restore"},
+                   json={"filename": "probe.bin"}, timeout=60).raise_for_status()
+        extended = httpx.post(f"{engine.url}/v1/completions", timeout=600, json={
+            "prompt": first + "More words.", "max_tokens": 1, "temperature": 0,
+            "id_slot": 1}).json()
+    assert saved["n_saved"] == cold["usage"]["prompt_tokens"]  # the slot held the prompt
+    assert extended["timings"]["cache_n"] == 0
+
+
+def test_a_sliding_window_model_with_swa_full_is_parked_and_restored(
+        tmp_path: Path) -> None:
+    sessions = Sessions()
+    with gemma(tmp_path, "--swa-full") as engine:
+        with proxy(engine, tmp_path) as url:
+            first = three_sessions(url, sessions)
+            a2 = sessions.turn(url, "A", 2)
+            assert metric(url, "prefixpin_restores_total", outcome="restored") == 1
+            assert metric(url, "prefixpin_restores_total", outcome="not_reused") == 0
+        # Gemma's template renders "model\n" + reply: the newline may merge with the reply's
+        # first token, so reuse can stop a token before the first prompt's end.
+        assert cached(a2) >= prompt(first["A"]) - 2
+        # Gemma 270M's greedy answer from a cached prefix differs from its cold answer (the
+        # batches differ): the reference is the slot that was never evicted.
+        assert text(a2) == resident_answer(engine, sessions.first_body["A"],
+                                           sessions.last_body["A"])
