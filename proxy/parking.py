@@ -32,11 +32,16 @@ What survives what:
   history in the index (same namespace; same explicit key, or none and the committed
   messages repeated exactly as its prefix) and resumes by restoring.
 
-Engine limits: a restore clears the slot's context checkpoints (research note §3), so for
-sliding-window (without ``--swa-full``) and hybrid/recurrent models a restored slot can
-only be *extended*. The rule here is the same for every model: a file is restored only into
-a request whose messages repeat the parked history exactly and add to it (or resend it);
-a rewound or diverged request never restores. llama-server's own host-RAM cache
+Engine limits: a file is restored only into a request whose messages repeat the parked
+history exactly and add to it (or resend it); a rewound or diverged request never restores.
+A restore clears the slot's context checkpoints (research note §3). Measured with Gemma 3
+(sliding window, no ``--swa-full``): llama-server reuses such a slot only through a
+checkpoint, so it re-processes a restored slot from the first token even for an exact
+extension; parking is off for such a model when the engine's flags are readable, and pauses
+itself after two restores the engine did not reuse when they are not. For recurrent/hybrid
+memory a restore only helps when the request's tokens extend all the file's tokens, which
+is checked (the engine's template and tokenizer) before restoring. llama-server's own
+host-RAM cache
 (``--cache-ram``) keeps working beside this: it copies a slot's state when a pinned request
 displaces it and can load it back by itself; parking writes to disk only what the proxy
 evicts and restores only into the slot it hands to a returning session, so the two never
