@@ -40,13 +40,14 @@ checkpoint, so it re-processes a restored slot from the first token even for an 
 extension; parking is off for such a model when the engine's flags are readable, and pauses
 itself after two restores the engine did not reuse when they are not. For recurrent/hybrid
 memory a restore only helps when the request's tokens extend all the file's tokens, which
-is checked (the engine's template and tokenizer) before restoring. llama-server's own
-host-RAM cache
-(``--cache-ram``) keeps working beside this: it copies a slot's state when a pinned request
-displaces it and can load it back by itself; parking writes to disk only what the proxy
-evicts and restores only into the slot it hands to a returning session, so the two never
-act on the same slot at once. Parking needs ``--park-dir`` to be the engine's
-``--slot-save-path`` as this proxy sees it (the embedded engine uses ``Settings.slot_dir()``).
+is checked (the engine's template and tokenizer) before restoring.
+
+llama-server's own host-RAM cache (``--cache-ram``) keeps working beside this: it copies a
+slot's state when a pinned request displaces it and can load it back by itself; parking
+writes to disk only what the proxy evicts and restores only into the slot it hands to a
+returning session, so the two never act on the same slot at once. Parking needs
+``--park-dir`` to be the engine's ``--slot-save-path`` as this proxy sees it (the embedded
+engine uses ``Settings.slot_dir()``).
 """
 
 from __future__ import annotations
