@@ -54,13 +54,19 @@ async def send_with_stale_retry(http: httpx.AsyncClient, request: httpx.Request,
 
     llama-server sometimes closes a connection after a streamed response although it
     advertised keep-alive; reusing it fails before any response byte with "Server
-    disconnected without sending a response". The request never reached the engine, so
-    one retry on a fresh connection is safe.
+    disconnected without sending a response". A server closing an idle connection just as
+    it is reused (its keep-alive timeout, 5 s for llama-server and uvicorn) resets it
+    instead: a ``ReadError`` before any response byte. The request never reached the
+    engine, so one retry on a fresh connection is safe. (With ``stream=False`` a read
+    error may come from the body, after the engine acted: only a GET is retried then.)
     """
     try:
         return await http.send(request, stream=stream)
     except httpx.RemoteProtocolError as exc:
         if "without sending a response" not in str(exc):
+            raise
+    except httpx.ReadError:
+        if not stream and request.method != "GET":
             raise
     return await http.send(request, stream=stream)
 

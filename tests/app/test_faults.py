@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from adapters._http import send_with_stale_retry
 from proxy.app import create_app
 from proxy.asgi_transport import StreamingASGITransport
 from proxy.settings import Settings
@@ -388,3 +390,38 @@ async def test_malformed_engine_output_is_a_clear_error_never_a_crash(
             if not stream:
                 assert capture.status >= 500
             await still_serves(client)
+
+
+async def test_a_keep_alive_connection_reset_as_it_is_reused_is_retried_once() -> None:
+    """The engine closes an idle keep-alive connection just as the proxy reuses it (its
+    keep-alive timeout): the reset comes before any response byte, the request never
+    reached the engine, and one retry on a fresh connection serves it."""
+    served: list[int] = []  # per connection, requests answered
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(0)
+        index = len(served) - 1
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            while await reader.readuntil(b"\r\n\r\n"):
+                if index == 0 and served[index] == 1:
+                    # The second request on the first connection: a reset (linger 0), as a
+                    # server closing the connection under the request does.
+                    writer.get_extra_info("socket").setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    return
+                served[index] += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"content-length: 14\r\n\r\ndata: [DONE]\n\n")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        for _ in range(2):
+            response = await send_with_stale_retry(http, http.build_request("GET", "/x"))
+            assert response.status_code == 200
+            await response.aread()  # read to the end: the connection goes back to the pool
+    COUNTS["keep-alive resets retried"] += 1
+    assert served == [1, 1]  # the reset request was answered on a second connection
