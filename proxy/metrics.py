@@ -44,8 +44,8 @@ class Metrics:
         self.prefill = Histogram("prefixpin_prefill_seconds",
                                  "Engine prompt processing time (timings.prompt_ms)",
                                  ["upstream"], buckets=SECONDS_BUCKETS, registry=r)
-        self.heartbeats = Counter("prefixpin_heartbeats", "SSE heartbeat comments sent",
-                                  registry=r)
+        self.heartbeats = Counter("prefixpin_heartbeats", "SSE heartbeat comments (and, on "
+                                  "Ollama's native API, keep-alive spaces) sent", registry=r)
         self.slot_cached_tokens = Gauge("prefixpin_slot_cached_tokens",
                                         "Cached tokens of the last request on each slot",
                                         ["upstream", "slot"], registry=r)

@@ -21,6 +21,22 @@ warm request a few), from a cached count of 0 on a request that extended its ses
 an unload or load request passing through, or from the engine becoming unreachable. Every
 session on that model is then marked *cold*: its committed history is kept (bytes still
 decide and repair still applies), its cache is assumed gone (the next estimate is 0).
+
+What a client sees while Ollama loads a model or prefills a long prompt (Ollama itself
+sends nothing at all then, not even the response headers):
+
+    /api/chat, /api/generate, streaming   status 200 and headers within --first-byte ms,
+        a space at once and one every --heartbeat s, then Ollama's NDJSON lines unchanged
+        (the spaces start the first line: every Ollama client parses it as usual). A
+        failure after that is Ollama's late-error line {"error": "..."} (ollama-python:
+        ResponseError with status_code -1), not its status.
+    /api/*, stream: false                  nothing until the one JSON body, as from Ollama.
+    /v1/*, streaming                       status 200, headers and ": prefixpin" at once, then
+        ": waiting for the engine" every --heartbeat s, then Ollama's SSE events.
+    /v1/*, not streaming                   nothing until the one JSON body, as from Ollama.
+
+An error Ollama reports before the first-byte deadline keeps its status and body on every
+API (a missing model is Ollama's own 404).
 """
 
 from __future__ import annotations
