@@ -27,6 +27,7 @@ class TapConnection:
     closed: float | None = None
     bytes_up: int = 0
     bytes_down: int = 0
+    reset: float | None = None  # when the tap cut it (reset_after_bytes_down)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class TcpTap:
                 record.bytes_down += len(data)
                 limit = self.reset_after_bytes_down
                 if limit is not None and record.bytes_down > limit:
+                    record.reset = time.monotonic()
                     transport = writer.transport
                     transport.abort()  # RST, as a crashed peer would
                     return
