@@ -11,6 +11,7 @@ resend that arrives meanwhile joins it too.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,17 +31,47 @@ def inflight_key(namespace: str, endpoint: str, body: Mapping[str, Any]) -> byte
 
 
 class InFlight:
+    """Running generations by key, and reservations for those still being planned.
+
+    A key is reserved *before* the request is planned (planning awaits: fingerprints run in
+    a thread, parked sessions are restored), so identical requests that arrive together
+    wait for the first one's generation instead of each starting their own.
+    """
+
     def __init__(self) -> None:
-        self._running: dict[bytes, Generation] = {}
+        self._running: dict[bytes, Generation | asyncio.Future[Generation]] = {}
 
-    def find(self, key: bytes) -> Generation | None:
-        generation = self._running.get(key)
-        if generation is None or generation.finished:
+    async def find(self, key: bytes) -> Generation | None:
+        entry = self._running.get(key)
+        if isinstance(entry, asyncio.Future):
+            reservation = entry
+            try:
+                entry = await asyncio.shield(reservation)
+            except asyncio.CancelledError:
+                if reservation.cancelled():
+                    return None  # the first request failed to plan: plan this one anew
+                raise  # this request itself was cancelled
+        if entry is None or entry.finished:
             return None
-        return generation
+        return entry
 
-    def add(self, key: bytes, generation: Generation) -> None:
+    def reserve(self, key: bytes) -> asyncio.Future[Generation]:
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._running[key] = future
+        return future
+
+    def add(self, key: bytes, generation: Generation,
+            reservation: asyncio.Future[Generation] | None = None) -> None:
         self._running[key] = generation
+        if reservation is not None and not reservation.done():
+            reservation.set_result(generation)
+
+    def release(self, key: bytes, reservation: asyncio.Future[Generation]) -> None:
+        """Planning failed: waiters plan for themselves."""
+        if self._running.get(key) is reservation:
+            del self._running[key]
+        if not reservation.done():
+            reservation.cancel()
 
     def remove(self, key: bytes, generation: Generation) -> None:
         if self._running.get(key) is generation:

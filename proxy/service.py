@@ -178,16 +178,21 @@ class ProxyService:
             # Another wire format is another answer: never joined across APIs.
             key = inflight_key(namespace_of(request.headers),
                                endpoint if api == "openai" else f"{api}-{endpoint}", client.body)
-            running = self.inflight.find(key)
+            running = await self.inflight.find(key)
             if running is not None:
                 return await self._join(request, client, running, arrival)
-            plan = await self.planner.plan(client, request, self.backend)
+            reservation = self.inflight.reserve(key)
+            try:
+                plan = await self.planner.plan(client, request, self.backend)
+            except BaseException:
+                self.inflight.release(key, reservation)
+                raise
         except ProxyError as exc:
             self.metrics.requests.labels(endpoint, _outcome(exc)).inc()
             raise
         plan.headers = {**_forwarded_headers(request.headers), **plan.headers}
         generation = self._start(plan, client, arrival)
-        self.inflight.add(key, generation)
+        self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
         return await respond(
             request, client, generation, arrival=arrival,

@@ -97,3 +97,32 @@ async def test_tenants_never_join_each_other() -> None:
             client.post("/v1/chat/completions", json=BODY,
                         headers={"authorization": "Bearer two"}))
     assert len(engine.requests) == 2
+
+
+async def test_identical_requests_arriving_together_share_one_generation() -> None:
+    """Planning awaits (fingerprints run in a thread): requests that arrive in the same
+    instant still find the first one's reservation and join it."""
+    from proxy.rig.models import ensure_model
+
+    async with running_proxy(slow_engine(), tokenizer=ensure_model("smollm2")) as (client,
+                                                                                 engine):
+        answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=BODY)
+                                         for _ in range(4)))
+        metrics = (await client.get("/metrics")).text
+    assert len(engine.requests) == 1
+    assert len({a.json()["choices"][0]["message"]["content"] for a in answers}) == 1
+    assert 'prefixpin_inflight_joins_total{endpoint="chat"} 3.0' in metrics
+
+
+async def test_a_released_reservation_lets_waiters_plan_for_themselves() -> None:
+    """The first request fails to plan: a request waiting on its reservation gets None
+    (it plans anew) rather than hanging or failing with the first one's error."""
+    from proxy.inflight import InFlight
+
+    inflight = InFlight()
+    reservation = inflight.reserve(b"key")
+    waiter = asyncio.create_task(inflight.find(b"key"))
+    await asyncio.sleep(0)
+    inflight.release(b"key", reservation)
+    assert await asyncio.wait_for(waiter, 1) is None
+    assert await inflight.find(b"key") is None
