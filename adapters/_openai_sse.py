@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from adapters.base import Frame, FrameKind, Progress
 from proxy.errors import UpstreamProtocolError
 from proxy.figures import count_of
@@ -76,9 +78,18 @@ def _has_finish(choices: object) -> bool:
 
 def _parse_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise UpstreamProtocolError(f"engine sent an SSE event that is not JSON: {exc}") from exc
+        # orjson first: every event of every stream goes through here (~5x faster).
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        value = _parse_lenient(text)
     if not isinstance(value, dict):
         raise UpstreamProtocolError("engine sent an SSE event that is not a JSON object")
     return value
+
+
+def _parse_lenient(text: str) -> Any:
+    """What orjson refuses but is still an engine's JSON (NaN, huge integers)."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UpstreamProtocolError(f"engine sent an SSE event that is not JSON: {exc}") from exc
