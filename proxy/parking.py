@@ -230,18 +230,18 @@ class ParkIndex:
         self._db.close()
 
     def insert(self, record: ParkRecord) -> None:
-        committed = record.committed
         row = (record.park_id, record.namespace, record.key, record.kind,
-               json.dumps(list(committed.messages), ensure_ascii=False),
-               b"".join(committed.digests),
-               json.dumps([[name, value.hex()] for name, value in committed.shape]),
-               committed.prompt,
-               json.dumps(committed.body, ensure_ascii=False) if committed.body else None,
-               record.prompt_tokens, record.n_tokens, record.filename,
-               record.size, record.tokens_digest, record.content_digest, record.model,
-               record.created, record.last_use)
+               *_history_columns(record.committed), record.prompt_tokens, record.n_tokens,
+               record.filename, record.size, record.tokens_digest, record.content_digest,
+               record.model, record.created, record.last_use)
         marks = ", ".join("?" for _ in _COLUMNS)
         self._db.execute(f"INSERT INTO parked ({', '.join(_COLUMNS)}) VALUES ({marks})", row)
+
+    def update_history(self, park_id: str, committed: Committed, prompt_tokens: int) -> None:
+        self._db.execute(
+            "UPDATE parked SET messages = ?, digests = ?, shape = ?, prompt = ?, body = ?, "
+            "prompt_tokens = ? WHERE park_id = ?", (*_history_columns(committed),
+                                                      prompt_tokens, park_id))
 
     def delete(self, park_id: str) -> None:
         self._db.execute("DELETE FROM parked WHERE park_id = ?", (park_id,))
@@ -286,6 +286,15 @@ class ParkIndex:
             with contextlib.suppress(ValueError, TypeError, KeyError):
                 records.append(_record(row))
         return records
+
+
+def _history_columns(committed: Committed) -> tuple[str, bytes, str, str | None, str | None]:
+    """messages, digests, shape, prompt, body: the committed history as stored."""
+    return (json.dumps(list(committed.messages), ensure_ascii=False),
+            b"".join(committed.digests),
+            json.dumps([[name, value.hex()] for name, value in committed.shape]),
+            committed.prompt,
+            json.dumps(committed.body, ensure_ascii=False) if committed.body else None)
 
 
 def _record(row: Sequence[Any]) -> ParkRecord:
@@ -443,6 +452,7 @@ class ParkManager:
         self._unparked: dict[str, str] = {}  # session id -> why it has no file
         self._bytes_per_token: float | None = None
         self._restored: dict[str, int] = {}  # session id -> tokens restored, until its commit
+        self._late_commit: dict[str, str] = {}  # session id -> park id awaiting its commit
         self._not_reused = 0  # restores in a row the engine re-processed anyway
         self._update_gauges()
 
@@ -459,7 +469,9 @@ class ParkManager:
             self._skipped(session, eviction.slot, outcome, reason, logging.DEBUG)
             return
         current = self._current(session.id)
-        if current is not None and _same_history(current.committed, session.committed):
+        if (current is not None and eviction.tokens == current.n_tokens
+                and _same_history(current.committed, session.committed)):
+            # The slot holds what the file holds (restored, nothing committed since).
             self.metrics.parks.labels("unchanged").inc()
             self.index.touch(current.park_id, time.time())
             return
@@ -486,12 +498,18 @@ class ParkManager:
                           f"{session.prompt_tokens}: the engine emptied it", logging.WARNING)
             return
         self._adopt_new(session, record)
+        # The slot can hold a turn whose commit has not run yet (the slot is free once the
+        # engine's answer is read; the commit follows): the file then holds more than the
+        # committed history says, and that turn's commit brings the row up to date.
+        late = record.n_tokens > eviction.tokens
+        if late:
+            self._late_commit[session.id] = record.park_id
         seconds = time.monotonic() - started
         self.metrics.parks.labels("parked").inc()
         self.metrics.park_seconds.observe(seconds)
         log_event(self.log, logging.INFO, "parked", session=session.id, slot=eviction.slot,
                   reason=eviction.reason, tokens=record.n_tokens, bytes=record.size,
-                  file=record.filename, ms=round(seconds * 1000, 1))
+                  file=record.filename, ms=round(seconds * 1000, 1), awaiting_commit=late)
         await self._enforce_budget(keep=record.park_id)
 
     def _not_worth(self, session: Session) -> tuple[str, str] | None:
@@ -680,10 +698,25 @@ class ParkManager:
         park_id = self._record_of.get(session_id)
         if park_id is not None:
             self.index.touch(park_id, time.time())
-        restored = self._restored.pop(session_id, None)
         session = self.store.get(session_id)
+        late = self._late_commit.pop(session_id, None)
+        if late is not None and late == park_id and session is not None:
+            self._catch_up(session, late)
+        restored = self._restored.pop(session_id, None)
         if restored is not None and session is not None and session.turns:
             self._judge_reuse(session, restored, session.turns[-1].cached_tokens)
+
+    def _catch_up(self, session: Session, park_id: str) -> None:
+        """The turn the parked file already holds has committed: the row takes its history
+        (the file holds at least that prompt, so the history is still a prefix of it)."""
+        record = self.index.get(park_id)
+        if record is None or session.committed is None:
+            return
+        if session.prompt_tokens > record.n_tokens:
+            return  # the file holds less than this commit's prompt: keep the older history
+        self.index.update_history(park_id, session.committed, session.prompt_tokens)
+        log_event(self.log, logging.DEBUG, "park caught up", session=session.id,
+                  file=record.filename, messages=len(session.committed.messages))
 
     def _judge_reuse(self, session: Session, restored: int, cached: int | None) -> None:
         """An engine that re-processes restored slots (a sliding-window model without

@@ -7,10 +7,13 @@ tests/e2e/test_parking_llama.py."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import json
 import logging
 import re
 import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,14 @@ class SlotFileFakeLlama(FakeLlamaServer):
         # As llama-server with a sliding-window model and no --swa-full: a restore succeeds
         # but the slot cannot be reused (the next prompt is re-processed from the start).
         self.reprocess_restored = False
+        self.linger_s = 0.0  # the stream stays open this long after [DONE], as over TCP
         self.actions: list[tuple[str, int, str]] = []
+
+    async def _stream(self, body: Mapping[str, Any], slot: Any, tokens: list[str], chat: bool,
+                      fault: str) -> AsyncIterator[bytes]:
+        async for event in super()._stream(body, slot, tokens, chat, fault):
+            yield event
+        await asyncio.sleep(self.linger_s)
 
     async def _slot_action(self, request: Request) -> Response:
         action = request.query_params.get("action")
@@ -413,6 +423,41 @@ async def test_a_park_dir_the_engine_does_not_write_to_turns_parking_off(
         await ask(client, conversation("A", 1), "A")
     [off] = events(caplog, "parking off")
     assert "--slot-save-path as this proxy sees it" in off["reason"]
+
+
+async def stream_ask(client: httpx.AsyncClient, messages: list[dict[str, Any]], key: str,
+                     then: Callable[[], Awaitable[Any]] | None = None) -> dict[str, Any]:
+    """A streaming turn; returns its usage. ``then`` starts as soon as ``[DONE]`` arrives,
+    as an agent sends its next request, while the proxy is still finishing this one (the
+    slot frees once the engine's answer is read; the commit follows)."""
+    usage: dict[str, Any] = {}
+    follow: asyncio.Task[Any] | None = None
+    async with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": key},
+                             json={"messages": messages, "max_tokens": 2, "stream": True,
+                                   "stream_options": {"include_usage": True}}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:])["usage"]
+            if line == "data: [DONE]" and then is not None:
+                follow = asyncio.ensure_future(then())
+    if follow is not None:
+        await follow
+    return usage
+
+
+async def test_a_turn_committed_after_its_slot_was_taken_is_parked_with_it(
+        tmp_path: Path) -> None:
+    """B's request arrives as A's answer ends and takes A's slot before A's turn is
+    committed. The slot then holds A's newest turn: the park saves it (not A's older file)
+    and A's late commit brings the index row up to date, so A's next turn reuses it all."""
+    engine = SlotFileFakeLlama(tmp_path)
+    engine.linger_s = 0.05
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        for turn in (1, 2, 3):
+            a = await stream_ask(client, conversation("A", turn), "A", then=functools.partial(
+                stream_ask, client, conversation("B", turn), "B"))
+        a4 = await stream_ask(client, conversation("A", 4), "A")
+    assert a4["prompt_tokens_details"]["cached_tokens"] >= a["prompt_tokens"]
 
 
 async def test_parking_pauses_itself_when_the_engine_re_processes_restored_slots(
