@@ -76,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="engine reset before each rep (default: restart if the harness "
                              "started llama-server, else erase)")
     parser.add_argument("--out", type=Path, help="default bench/results/<scenario>/")
+    parser.add_argument("--logs", type=Path, help="keep llama-server and proxy logs here "
+                        "(default: a temporary directory, removed after a successful run)")
     args = parser.parse_args(argv)
     if not args.arm and not args.serve_arm:
         args.arm = ["direct"]
@@ -185,16 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     except RegimeError as exc:
         print(f"replay: FAILED: {exc}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="prefixpin-bench-"))  # process logs, slot files
+    work = args.logs or Path(tempfile.mkdtemp(prefix="prefixpin-bench-"))  # logs, slot files
+    work.mkdir(parents=True, exist_ok=True)
     try:
         status = run(args, argv, scenario, requests, observed, work)
     except EngineError as exc:
         print(f"replay: FAILED: {exc}", file=sys.stderr)
         status = 1
-    if status == 0:
+    if status == 0 and args.logs is None:
         shutil.rmtree(work, ignore_errors=True)
     else:
-        print(f"replay: logs kept in {work}", file=sys.stderr)
+        print(f"replay: logs in {work}", file=sys.stderr)
     return status
 
 
