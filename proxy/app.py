@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from adapters.base import Adapter
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import EngineKind, OllamaAdapter, detect_engine
 from proxy.affinity import AffinityPlanner
+from proxy.backends import Router, open_router
 from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
 from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.logs import get_logger, log_event
@@ -55,15 +56,22 @@ class AppState:
     metrics: Metrics
     started: float
     sessions: SessionStore
+    router: Router | None = None  # several backends, or state shared with other replicas
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
-               adapter: Adapter | None = None) -> Starlette:
+               adapter: Adapter | None = None,
+               transports: Mapping[str, httpx.AsyncBaseTransport] | None = None) -> Starlette:
+    """``transports``: per upstream URL, for tests of several backends."""
     metrics = Metrics()
     logger = get_logger()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if settings.several():
+            async with _routed(app, settings, metrics, logger, transports or {}):
+                yield
+            return
         backend_adapter = adapter or await _open_adapter(settings, transport)
         backend = Backend(label=_label(settings), adapter=backend_adapter)
         service = ProxyService(settings, backend, metrics, logger=logger)
@@ -110,23 +118,38 @@ def state_of(request: Request) -> AppState:
 
 
 async def _chat(request: Request) -> Response:
-    return await state_of(request).service.handle(request, "chat")
+    state = state_of(request)
+    if state.router is not None:
+        return await state.router.handle(request, "chat")
+    return await state.service.handle(request, "chat")
 
 
 async def _completions(request: Request) -> Response:
-    return await state_of(request).service.handle(request, "completions")
+    state = state_of(request)
+    if state.router is not None:
+        return await state.router.handle(request, "completions")
+    return await state.service.handle(request, "completions")
 
 
 async def _native_chat(request: Request) -> Response:
-    return await handle_native(state_of(request).service, request, "chat")
+    return await handle_native(_service_of(request), request, "chat")
 
 
 async def _native_generate(request: Request) -> Response:
-    return await handle_native(state_of(request).service, request, "completions")
+    return await handle_native(_service_of(request), request, "completions")
 
 
 async def _passthrough(request: Request) -> Response:
-    return await forward(request, state_of(request).service.backend.adapter.http)
+    return await forward(request, _service_of(request).backend.adapter.http)
+
+
+def _service_of(request: Request) -> ProxyService:
+    """The service for paths that are not placed per session: with several backends, the
+    first one answering (in --upstream order)."""
+    state = state_of(request)
+    if state.router is not None:
+        return state.router.lane_for_passthrough().service
+    return state.service
 
 
 async def _metrics(request: Request) -> Response:
@@ -142,6 +165,8 @@ async def _status_page(request: Request) -> Response:
 async def _sessions(request: Request) -> Response:
     """Per namespace: each session, its slot, committed tokens and last decision."""
     state = state_of(request)
+    if state.router is not None:
+        return JSONResponse(_routed_sessions(state, state.router))
     pool = state.service.pool
     body = {
         "affinity": state.service.planner.__class__.__name__ == "AffinityPlanner",
@@ -157,6 +182,16 @@ async def _sessions(request: Request) -> Response:
 
 async def _healthz(request: Request) -> Response:
     state = state_of(request)
+    if state.router is not None:
+        upstreams = state.router.health()
+        healthy = any(u["status"] == "ok" for u in upstreams)
+        return JSONResponse({"status": "ok" if healthy else "degraded",
+                             "uptime_s": round(time.time() - state.started),
+                             "inflight": sum(len(lane.service.generations)
+                                             for lane in state.router.lanes),
+                             "replica": state.router.cluster.replica
+                             if state.router.cluster is not None else None,
+                             "upstreams": upstreams}, status_code=200 if healthy else 503)
     backend = state.service.backend
     upstream: dict[str, Any] = {"label": backend.label, "engine": backend.adapter.name}
     try:
@@ -261,6 +296,46 @@ async def _ollama_sessions_on(settings: Settings, service: ProxyService, store: 
               cached_tokens="measured" if backend.adapter.capabilities.measured_cache
               else "estimated unless Ollama reports them")
     return planner.engine_lost
+
+
+@asynccontextmanager
+async def _routed(app: Starlette, settings: Settings, metrics: Metrics, logger: logging.Logger,
+                  transports: Mapping[str, httpx.AsyncBaseTransport]) -> AsyncIterator[None]:
+    """Several backends and/or replicas sharing state in Redis (proxy.backends)."""
+    if not settings.backend_urls():
+        raise ValueError("several backends or --redis need --upstream URLs (the embedded "
+                         "engine is one process's)")
+
+    def client(url: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=url, transport=transports.get(url),
+                                 timeout=settings.upstream_timeout(),
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=64))
+
+    router = await open_router(settings, metrics, logger, client, _repairer)
+    app.state.prefixpin = AppState(settings, router.lanes[0].service, metrics, time.time(),
+                                   router.store, router)
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(settings.probe_timeout_s * 4):
+                await router.first_probe.wait()
+        yield
+    finally:
+        await router.aclose()
+
+
+def _routed_sessions(state: AppState, router: Router) -> dict[str, Any]:
+    backends = []
+    for lane in router.lanes:
+        pool = lane.service.pool
+        backends.append({"upstream": lane.label, "up": lane.up, "slots": [
+            {"slot": e.index, "session": e.occupant, "kind": e.kind, "tokens": e.tokens,
+             "busy": e.busy} for e in pool.entries] if pool else []})
+    return {"affinity": state.settings.affinity, "placement": state.settings.placement,
+            "backends": backends, "slots": backends[0]["slots"] if backends else [],
+            "namespaces": {ns: [s.view() for s in sessions]
+                           for ns, sessions in state.sessions.namespaces().items()},
+            "parking": None}
 
 
 def _parking_of(service: ProxyService) -> ParkManager | None:

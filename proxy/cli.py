@@ -38,6 +38,16 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "(default 256 tokens)"),
     "--park-verify": ("park_verify", str, "full (blake3 of the whole file, default) | tokens "
                       "(size and token list only)"),
+    "--redis": ("redis", str, "Redis URL (redis://host:port/db): sessions, slots, park and "
+                "in-flight state shared by several replicas (env PREFIXPIN_REDIS)"),
+    "--redis-prefix": ("redis_prefix", str, "prefix of every Redis key (default prefixpin)"),
+    "--replica-id": ("replica_id", str, "this replica's name in Redis (default: random)"),
+    "--placement": ("placement", str, "affinity (default) | round-robin | least-loaded: how "
+                    "a request picks its backend among several"),
+    "--overload-queue": ("overload_queue", int, "requests queued for a slot at which a "
+                         "backend's sessions move elsewhere (default 4)"),
+    "--overload-occupancy": ("overload_occupancy", float, "live sessions per slot at which a "
+                             "backend takes no new session while another has room (default 1)"),
     "--tokenizer": ("tokenizer", str, "tokenizer.json or GGUF for fingerprints"),
     "--log-level": ("log_level", str, "debug | info | warning | error"),
 }
@@ -50,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the proxy",
                                 argument_default=argparse.SUPPRESS)
     for flag, (field, kind, text) in SERVE_FLAGS.items():
+        if flag == "--upstream":  # repeated: several backends
+            serve.add_argument(flag, dest=field, action="append", help=text + "; repeat for "
+                               "several backends")
+            continue
         serve.add_argument(flag, dest=field, type=kind, help=text)
+    serve.add_argument("--upstreams-file", dest="upstreams_file", help="file with one engine "
+                       "base URL a line (# comments): backends besides --upstream")
     for name, text in SWITCHES.items():
         serve.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                            help=f"{text} on/off (env PREFIXPIN_{name.upper()}=0 turns it off)")
@@ -62,8 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    given = {k: v for k, v in vars(args).items() if k != "command"}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "upstreams_file")}
+    urls: list[str] = list(given.pop("upstream", None) or [])
+    if (path := getattr(args, "upstreams_file", None)) is not None:
+        urls += read_upstreams_file(path)
+    if urls:
+        given["upstream"] = urls[0]
+    if len(urls) > 1:  # else PREFIXPIN_UPSTREAMS, if set, still applies
+        given["upstreams"] = urls[1:]
     return Settings(**given)
+
+
+def read_upstreams_file(path: str) -> list[str]:
+    """One base URL a line; blank lines and ``#`` comments are skipped."""
+    with open(path, encoding="utf-8") as handle:
+        lines = [line.split("#", 1)[0].strip() for line in handle]
+    return [line for line in lines if line]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return main_from_args(args)
     try:
         settings = settings_from_args(args)
+    except OSError as exc:
+        print(f"prefixpin: cannot read --upstreams-file: {exc}", file=sys.stderr)
+        return 2
     except ValidationError as exc:
         print(f"prefixpin: invalid settings: {exc}", file=sys.stderr)
         return 2

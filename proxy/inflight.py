@@ -55,6 +55,11 @@ class InFlight:
             return None
         return entry
 
+    async def claim(self, key: bytes) -> Generation | asyncio.Future[Generation]:
+        """The generation to join, or a reservation: this request runs it."""
+        running = await self.find(key)
+        return running if running is not None else self.reserve(key)
+
     def reserve(self, key: bytes) -> asyncio.Future[Generation]:
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self._running[key] = future

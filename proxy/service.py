@@ -178,10 +178,10 @@ class ProxyService:
             # Another wire format is another answer: never joined across APIs.
             key = inflight_key(namespace_of(request.headers),
                                endpoint if api == "openai" else f"{api}-{endpoint}", client.body)
-            running = await self.inflight.find(key)
-            if running is not None:
-                return await self._join(request, client, running, arrival)
-            reservation = self.inflight.reserve(key)
+            claimed = await self.inflight.claim(key)
+            if isinstance(claimed, Generation):
+                return await self._join(request, client, claimed, arrival)
+            reservation = claimed
             try:
                 plan = await self.planner.plan(client, request, self.backend)
             except BaseException:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -71,17 +71,24 @@ class SessionStore:
     """Bounded: the least recently used session goes first once ``max_sessions`` is reached,
     and sessions idle for ``ttl_s`` are dropped."""
 
-    def __init__(self, max_sessions: int = 4096, ttl_s: float = 24 * 3600) -> None:
+    def __init__(self, max_sessions: int = 4096, ttl_s: float = 24 * 3600, *,
+                 new_id: Callable[[], str] | None = None) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._max = max_sessions
         self._ttl_s = ttl_s
-        self._ids = itertools.count(1)
+        counter = itertools.count(1)
+        # Several replicas sharing a session table need ids unique across them (random).
+        self._new_id = new_id or (lambda: f"s{next(counter)}")
 
     def create(self, namespace: str, key: str | None, kind: Kind,
                parent: str | None = None) -> Session:
+        return self.put(Session(self._new_id(), namespace, key, kind, parent))
+
+    def put(self, session: Session) -> Session:
+        """Add or replace a session (one read from the shared table)."""
         self._expire()
-        session = Session(f"s{next(self._ids)}", namespace, key, kind, parent)
         self._sessions[session.id] = session
+        self._sessions.move_to_end(session.id)
         while len(self._sessions) > self._max:
             self._sessions.popitem(last=False)
         return session

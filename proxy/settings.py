@@ -69,6 +69,21 @@ class Settings(BaseSettings):
     park_verify: Literal["full", "tokens"] = Field(
         "full", description="Check a park file's whole content (blake3) or its token list")
 
+    # Several backends and replicas (README: "Several backends and replicas").
+    upstreams: list[str] = Field(default_factory=list,
+                                 description="Further engine base URLs (several backends)")
+    placement: Literal["affinity", "round-robin", "least-loaded"] = Field(
+        "affinity", description="How a session picks its backend (the others: bench arms)")
+    overload_queue: int = Field(4, ge=1, description="Requests queued for a slot on a "
+                                "backend at which its sessions move elsewhere")
+    overload_occupancy: float = Field(1.0, gt=0, description="Live sessions per slot at which "
+                                      "a backend takes no new session while another has room")
+    live_session_s: float = Field(600.0, gt=0, description="A session idle this long no "
+                                  "longer counts towards its backend's occupancy")
+    redis: str | None = Field(None, description="Redis URL: state shared by several replicas")
+    redis_prefix: str = Field("prefixpin", min_length=1, description="Redis key prefix")
+    replica_id: str | None = Field(None, description="This replica's name (default: random)")
+
     # Identity.
     tokenizer: Path | None = Field(None, description="tokenizer.json or GGUF overriding /props")
 
@@ -78,6 +93,15 @@ class Settings(BaseSettings):
         return {"reasoning": self.repair_reasoning, "tool_calls": self.repair_tool_calls,
                 "tool_results": self.repair_tool_results, "window": self.repair_window,
                 "volatile": self.repair_volatile, "tools": self.repair_tools}
+
+    def backend_urls(self) -> list[str]:
+        """Every engine base URL, ``upstream`` first, each once."""
+        urls = [self.upstream] if self.upstream is not None else []
+        return list(dict.fromkeys([*urls, *self.upstreams]))
+
+    def several(self) -> bool:
+        """Several backends, or state shared with other replicas: the routed path."""
+        return len(self.backend_urls()) > 1 or self.redis is not None
 
     def slot_dir(self) -> Path:
         """Where the embedded engine saves slot files (parking uses it)."""

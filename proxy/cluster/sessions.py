@@ -1,0 +1,192 @@
+"""The session table in Redis: what bytes-decide needs, shared by every replica.
+
+Each replica plans on its own in-memory ``SessionStore``; this module keeps it in step:
+
+- before a request is planned, the sessions it could continue (those under its explicit
+  key, or the namespace's most recent keyless ones) are read from Redis into the local
+  store when Redis holds a newer version (``hydrate``);
+- when a request commits, its session is written back (``publish``) in one round trip,
+  *synchronously*, from the commit hook: the commit runs before the generation is marked
+  finished, so the client's response ends only after Redis holds the new committed
+  history, and its next turn, on whichever replica, is decided against it.
+
+A record is JSON (never pickle: whoever can write to Redis must not be able to run code in
+the proxy): the committed messages and their digests, the shaping fields, the fingerprint
+chain, token count, the backend and slot believed to hold it, the last decision and the
+repair memory. Versions only grow: a stale replica never overwrites a newer commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import blake3
+import orjson
+import redis
+
+from fingerprint import Chain
+from fingerprint.chain import Edges
+from proxy.cluster.core import Cluster
+from proxy.history import Committed
+from proxy.logs import log_event
+from proxy.repair import RepairMemory
+from proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
+
+VERSION = "cluster_version"  # Session.pinned key: the version this replica last saw
+KEYLESS_CANDIDATES = 32  # most recent keyless sessions of a namespace read per request
+TTL_S = 24 * 3600
+
+# KEYS: record, version, index. ARGV: version, record, ttl, index score, session id.
+_PUBLISH = """
+local current = tonumber(redis.call('GET', KEYS[2]) or '0')
+if current >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+def new_session_id() -> str:
+    return f"s{secrets.token_hex(6)}"
+
+
+class SharedSessions:
+    def __init__(self, cluster: Cluster, store: SessionStore, logger: logging.Logger) -> None:
+        self.cluster = cluster
+        self.store = store
+        self.log = logger
+        self._publish = cluster.sync.register_script(_PUBLISH)
+
+    def _record_key(self, session_id: str) -> str:
+        return self.cluster.key("s", session_id)
+
+    def _index_key(self, namespace: str, key: str | None) -> str:
+        if key is None:
+            return self.cluster.key("keyless", namespace)
+        return self.cluster.key("key", namespace, blake3.blake3(key.encode()).hexdigest()[:32])
+
+    async def hydrate(self, namespace: str, key: str | None) -> int:
+        """Bring the local store up to date for one key (or the namespace's keyless
+        sessions); returns how many sessions were read anew."""
+        r = self.cluster.r
+        limit = KEYLESS_CANDIDATES if key is None else 8
+        found: Any = await r.zrevrange(self._index_key(namespace, key), 0, limit - 1)
+        ids = [i.decode() for i in found]
+        if not ids:
+            return 0
+        versions = await r.mget([self.cluster.key("sv", i) for i in ids])
+        stale = [i for i, v in zip(ids, versions, strict=True)
+                 if v is not None and int(v) > _version_of(self.store.get(i))]
+        if not stale:
+            return 0
+        records = await r.mget([self._record_key(i) for i in stale])
+        for raw in records:
+            if raw is None:
+                continue
+            session = decode_session(orjson.loads(raw))
+            self.store.put(session)
+        return len(stale)
+
+    def publish(self, session: Session) -> bool:
+        """Write a committed session (synchronous: see the module docstring)."""
+        version = _version_of(session) + 1
+        session.pinned[VERSION] = version
+        record = orjson.dumps(encode_session(session, version))
+        try:
+            written = self._publish(
+                keys=[self._record_key(session.id), self.cluster.key("sv", session.id),
+                      self._index_key(session.namespace, session.key)],
+                args=[version, record, TTL_S, session.last_used, session.id])
+        except (redis.RedisError, OSError) as exc:
+            log_event(self.log, logging.WARNING, "session not shared", session=session.id,
+                      error=str(exc))
+            return False
+        return bool(written)
+
+
+def _version_of(session: Session | None) -> int:
+    if session is None:
+        return 0
+    return int(session.pinned.get(VERSION, 0))
+
+
+def encode_session(session: Session, version: int) -> dict[str, Any]:
+    memory = session.pinned.get("repair")
+    return {
+        "v": version, "id": session.id, "ns": session.namespace, "key": session.key,
+        "kind": session.kind, "parent": session.parent, "pt": session.prompt_tokens,
+        "slot": session.slot, "backend": session.backend, "created": session.created,
+        "used": session.last_used, "dec": session.last_decision, "why": session.last_reason,
+        "committed": _encode_committed(session.committed),
+        "chain": _encode_chain(session.chain),
+        "turns": [[t.at, t.decision, t.prompt_tokens, t.cached_tokens, t.ttft_ms]
+                  for t in session.turns],
+        "repair": ({"last_reply": memory.last_reply, "cut": memory.cut}
+                   if isinstance(memory, RepairMemory) else None),
+    }
+
+
+def decode_session(data: Mapping[str, Any]) -> Session:
+    session = Session(str(data["id"]), str(data["ns"]), data.get("key"),
+                      "side" if data.get("kind") == "side" else "main", data.get("parent"))
+    session.prompt_tokens = int(data.get("pt") or 0)
+    session.slot = data.get("slot")
+    session.backend = data.get("backend")
+    session.created = float(data.get("created") or 0.0)
+    session.last_used = float(data.get("used") or 0.0)
+    session.last_decision = str(data.get("dec") or "new")
+    session.last_reason = str(data.get("why") or "")
+    session.committed = _decode_committed(data.get("committed"))
+    session.chain = _decode_chain(data.get("chain"))
+    session.turns = deque((TurnFigures(*turn) for turn in data.get("turns") or ()),
+                          maxlen=TURN_HISTORY)
+    repair = data.get("repair")
+    if isinstance(repair, Mapping):
+        session.pinned["repair"] = RepairMemory(repair.get("last_reply"),
+                                                int(repair.get("cut") or 0))
+    session.pinned[VERSION] = int(data["v"])
+    return session
+
+
+def _encode_committed(committed: Committed | None) -> dict[str, Any] | None:
+    if committed is None:
+        return None
+    return {"messages": list(committed.messages),
+            "digests": [d.hex() for d in committed.digests],
+            "shape": [[name, d.hex()] for name, d in committed.shape],
+            "prompt": committed.prompt,
+            "body": dict(committed.body) if committed.body is not None else None}
+
+
+def _decode_committed(data: object) -> Committed | None:
+    if not isinstance(data, Mapping):
+        return None
+    messages = tuple(cast(Sequence[Mapping[str, Any]], data.get("messages") or ()))
+    digests = tuple(bytes.fromhex(d) for d in data.get("digests") or ())
+    shape = tuple((str(name), bytes.fromhex(d)) for name, d in data.get("shape") or ())
+    return Committed(messages, digests, shape, data.get("prompt"), data.get("body"))
+
+
+def _encode_chain(chain: Chain | None) -> dict[str, Any] | None:
+    if chain is None:
+        return None
+    last = chain.last
+    return {"openers": sorted(chain.openers), "edge": chain.edge,
+            "digests": chain.hexdigests(), "marked": chain.marked,
+            "last": [list(last.head), list(last.tail)] if last is not None else None}
+
+
+def _decode_chain(data: object) -> Chain | None:
+    if not isinstance(data, Mapping):
+        return None
+    last = data.get("last")
+    edges = Edges(tuple(last[0]), tuple(last[1])) if last is not None else None
+    return Chain(frozenset(data.get("openers") or ()), int(data["edge"]),
+                 tuple(bytes.fromhex(d) for d in data.get("digests") or ()), edges,
+                 bool(data.get("marked")))
