@@ -54,8 +54,9 @@ def test_resends_during_a_long_prefill_cost_one_prefill(
     """A ~2k-token prompt, a client that gives up after 3 s and resends: the engine's
     prompt-token counter grows by one prefill (plus at most a few tokens), and a resend
     finally receives the complete answer."""
-    body = {"messages": [{"role": "user", "content": "Summarise: " + filler(1500, seed=9)}],
-            "max_tokens": 8, "temperature": 0}
+    content = "Summarise: " + filler(1500, seed=9)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}],
+                            "max_tokens": 8, "temperature": 0}
     before = prompt_tokens_processed(llama)
     attempts, answer = 0, None
     with run_proxy(retry_grace_s=30) as url:
@@ -64,8 +65,7 @@ def test_resends_during_a_long_prefill_cost_one_prefill(
             answer = impatient_stream(url, body)
         metrics = httpx.get(f"{url}/metrics").text
     processed = prompt_tokens_processed(llama) - before
-    prompt = httpx.post(f"{llama.url}/tokenize",
-                        json={"content": body["messages"][0]["content"]}).json()["tokens"]
+    prompt = httpx.post(f"{llama.url}/tokenize", json={"content": content}).json()["tokens"]
     assert answer, f"no complete answer after {attempts} attempts"
     assert attempts >= 2, "the prefill finished within one client timeout: not a long prefill"
     assert len(prompt) <= processed <= len(prompt) + 64, (processed, len(prompt), attempts)
