@@ -31,6 +31,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 3600)
 return redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[2]), '+inf')
 """
 
+# KEYS[1] the replicas set; ARGV: replica, ttl seconds. 1 when its heartbeat is recent.
+_ALIVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local at = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if at and tonumber(at) >= now - tonumber(ARGV[2]) then return 1 end
+return 0
+"""
+
 # Compare-and-delete / compare-and-expire: only the owner of a value may drop or extend it.
 _DELETE_IF = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -56,6 +65,7 @@ class Cluster:
         self.sync: redis.Redis = redis.Redis.from_url(url)
         self._live: set[str] = {self.replica}
         self._heartbeat = self.r.register_script(_HEARTBEAT)
+        self._alive = self.r.register_script(_ALIVE)
         self.delete_if = self.r.register_script(_DELETE_IF)
         self.expire_if = self.r.register_script(_EXPIRE_IF)
         self._task: asyncio.Task[None] | None = None
@@ -76,8 +86,17 @@ class Cluster:
         self._live = {_text(r) for r in live} | {self.replica}
 
     def alive(self, replica: str) -> bool:
-        """Whether ``replica`` sent a heartbeat lately (as of this replica's last beat)."""
+        """Whether ``replica`` sent a heartbeat lately, as of this replica's last beat (a
+        replica started since is not known yet: see ``is_alive``)."""
         return replica in self._live
+
+    async def is_alive(self, replica: str) -> bool:
+        """Asked of Redis now: whether ``replica`` sent a heartbeat lately. Used before
+        acting on a replica's death (taking over its locks, dropping its claims)."""
+        if replica in self._live:
+            return True
+        return bool(await self._alive(keys=[self.key("replicas")],
+                                      args=[replica, REPLICA_TTL_S]))
 
     def token(self) -> str:
         """A value naming this replica, unique per use: locks and claims hold one."""

@@ -140,7 +140,8 @@ class ClusterInFlight(InFlight):
             return None
         data = orjson.loads(raw)
         claim = Claim(str(data["r"]), str(data["s"]), str(data["t"]))
-        if claim.replica == self.cluster.replica or not self.cluster.alive(claim.replica):
+        if claim.replica == self.cluster.replica or not await self.cluster.is_alive(
+                claim.replica):
             # Ours but no longer running here, or its replica is gone: stale.
             await self.cluster.delete_if(keys=[self._claim_key(key)], args=[raw])
             log_event(self.log, logging.INFO, "in-flight claim dropped", replica=claim.replica,
@@ -303,7 +304,8 @@ class StreamReader:
                                        block=READ_BLOCK_MS)
             if not reply:
                 silent = time.monotonic() - self._silent_since
-                if not self.cluster.alive(self.claim.replica) and silent > REPLICA_TTL_S:
+                if silent > REPLICA_TTL_S and not await self.cluster.is_alive(
+                        self.claim.replica):
                     return None
                 continue
             for entry_id, fields in reply[0][1]:

@@ -257,7 +257,7 @@ class SharedSlotPool(SlotPool):
             return
         holders = await self.cluster.r.mget([self._lock(i) for i in busy])
         for slot, holder in zip(busy, holders, strict=True):
-            if (holder is not None and not self.cluster.alive(Cluster.owner_of(holder))
+            if (holder is not None and not await self.cluster.is_alive(Cluster.owner_of(holder))
                     and await self.cluster.delete_if(keys=[self._lock(slot)], args=[holder])):
                 log_event(self.log, logging.WARNING, "slot lock taken over", slot=slot,
                           upstream=self.backend, dead_replica=Cluster.owner_of(holder))

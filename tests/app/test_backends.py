@@ -115,7 +115,8 @@ async def test_keyless_sessions_are_placed_by_their_first_messages() -> None:
     async with several() as (client, engines, _):
         first = await converse(client, engines, None, 3, "alpha")
         second = await converse(client, engines, None, 3, "beta")
-        assert len(set(first)) == 1 and len(set(second)) == 1
+        assert len(set(first)) == 1
+        assert len(set(second)) == 1
 
 
 async def test_a_session_whose_backend_is_down_re_primes_elsewhere_and_says_so() -> None:
@@ -177,7 +178,7 @@ def test_rendezvous_is_stable_and_moves_only_the_removed_backends_identities() -
     assert first == {i: rendezvous(i, weights)[0] for i in identities}
     counts = {label: sum(1 for v in first.values() if v == label) for label in LABELS}
     assert min(counts.values()) > 60  # roughly even: 100 expected each
-    without_c = {label: 1.0 for label in LABELS[:2]}
+    without_c = dict.fromkeys(LABELS[:2], 1.0)
     for identity, label in first.items():
         if label != LABELS[2]:
             assert rendezvous(identity, without_c)[0] == label
