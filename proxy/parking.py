@@ -770,8 +770,9 @@ class ParkManager:
         self.index.delete(record.park_id)
         _unlink(self.config.files_dir / record.filename)
         owner = self._owner_of.pop(record.park_id, None)
-        if owner is not None:
-            self._record_of.pop(owner, None)
+        if owner is not None and self._record_of.get(owner) == record.park_id:
+            # (a replaced file's owner already points at its new file: that link stays)
+            del self._record_of[owner]
             if reason == "budget":
                 self._unparked[owner] = ("its parked file was removed to stay within "
                                          "--park-max-bytes")

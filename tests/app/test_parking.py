@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -445,19 +446,21 @@ async def stream_ask(client: httpx.AsyncClient, messages: list[dict[str, Any]], 
     return usage
 
 
-async def test_a_turn_committed_after_its_slot_was_taken_is_parked_with_it(
+async def test_a_session_parked_again_and_again_is_restored_every_time(
         tmp_path: Path) -> None:
-    """B's request arrives as A's answer ends and takes A's slot before A's turn is
-    committed. The slot then holds A's newest turn: the park saves it (not A's older file)
-    and A's late commit brings the index row up to date, so A's next turn reuses it all."""
+    """One slot, A and B streaming turns back to back (B's request leaves as A's answer
+    ends): each is parked and restored on every turn; each new file replaces the last and
+    the session keeps the newest (every return reuses all of its previous prompt)."""
     engine = SlotFileFakeLlama(tmp_path)
     engine.linger_s = 0.05
+    a_turns: list[dict[str, Any]] = []
     async with running_proxy(engine, **settings(tmp_path)) as (client, _):
-        for turn in (1, 2, 3):
-            a = await stream_ask(client, conversation("A", turn), "A", then=functools.partial(
-                stream_ask, client, conversation("B", turn), "B"))
-        a4 = await stream_ask(client, conversation("A", 4), "A")
-    assert a4["prompt_tokens_details"]["cached_tokens"] >= a["prompt_tokens"]
+        for turn in (1, 2, 3, 4):
+            a_turns.append(await stream_ask(
+                client, conversation("A", turn), "A",
+                then=functools.partial(stream_ask, client, conversation("B", turn), "B")))
+    for before, after in itertools.pairwise(a_turns):  # every return is restored
+        assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"]
 
 
 async def test_parking_pauses_itself_when_the_engine_re_processes_restored_slots(
