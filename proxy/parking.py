@@ -87,6 +87,7 @@ _PACKED_MARKER, _PACKED_VERSION = -1, 1  # server_tokens::serialize
 DIGEST_BYTES = 16
 PROBE_TIMEOUT_S = 10.0
 EXIT_PARK_TIMEOUT_S = 30.0
+SESSION_NOTES = 4096  # per-session notes kept (the session store's default bound)
 NOT_REUSED_LIMIT = 2  # restores in a row the engine re-processed before parking pauses
 DISK_HEADROOM = 1.1  # free space wanted before a save, over the estimated file size
 
@@ -503,7 +504,7 @@ class ParkManager:
         # committed history says, and that turn's commit brings the row up to date.
         late = record.n_tokens > eviction.tokens
         if late:
-            self._late_commit[session.id] = record.park_id
+            _bounded_set(self._late_commit, session.id, record.park_id)
         seconds = time.monotonic() - started
         self.metrics.parks.labels("parked").inc()
         self.metrics.park_seconds.observe(seconds)
@@ -567,7 +568,8 @@ class ParkManager:
     def _skipped(self, session: Session, slot: int, outcome: str, reason: str,
                  level: int) -> None:
         self.metrics.parks.labels(outcome).inc()
-        self._unparked[session.id] = f"not parked when evicted from slot {slot}: {reason}"
+        _bounded_set(self._unparked, session.id,
+                     f"not parked when evicted from slot {slot}: {reason}")
         log_event(self.log, level, "park skipped", session=session.id, slot=slot,
                   outcome=outcome, reason=reason)
 
@@ -621,7 +623,7 @@ class ParkManager:
                                   f"held {record.n_tokens}", level=logging.WARNING)
         seconds = time.monotonic() - started
         self.index.touch(record.park_id, time.time())
-        self._restored[session.id] = result.n_tokens
+        _bounded_set(self._restored, session.id, result.n_tokens)
         self.metrics.restores.labels("restored").inc()
         self.metrics.restore_seconds.observe(seconds)
         note = f"restored {result.n_tokens} tokens in {seconds * 1000:.0f} ms"
@@ -774,8 +776,8 @@ class ParkManager:
             # (a replaced file's owner already points at its new file: that link stays)
             del self._record_of[owner]
             if reason == "budget":
-                self._unparked[owner] = ("its parked file was removed to stay within "
-                                         "--park-max-bytes")
+                _bounded_set(self._unparked, owner, "its parked file was removed to stay "
+                                                    "within --park-max-bytes")
         self.metrics.park_removals.labels(reason).inc()
         if reason != "replaced":
             log_event(self.log, logging.INFO, "park removed", file=record.filename,
@@ -867,6 +869,14 @@ class ParkManager:
     def _update_gauges(self) -> None:
         self.metrics.park_bytes.set(self.index.total_bytes())
         self.metrics.parked_files.set(self.index.count())
+
+
+def _bounded_set(table: dict[str, Any], key: str, value: Any) -> None:
+    """Per-session notes whose session may never come back: the oldest go first."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > SESSION_NOTES:
+        del table[next(iter(table))]
 
 
 def _same_history(a: Committed, b: Committed) -> bool:
