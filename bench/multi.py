@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "multi"
 ARMS = ("affinity", "round-robin", "least-loaded")
 TARGET = 0.9
+IDLE_S = 4.0
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda",
          "sigma", "omega", "parse", "render", "token", "slot", "cache", "prefix", "commit",
          "session", "engine", "queue", "replica", "backend", "shard", "lease", "stream",
@@ -79,6 +80,7 @@ class ArmRun:
     redis_commands: int
     requests: int
     commandstats: dict[str, int]
+    idle_commands_per_s: float  # two replicas' heartbeats and listeners, no request running
 
 
 def words(n: int, seed: str) -> str:
@@ -199,7 +201,7 @@ def erase(engines: list[LlamaServerProcess], slots: int) -> None:
 def engines_running(n: int, slots: int, ctx: int) -> Iterator[list[LlamaServerProcess]]:
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(run_llama_server("smollm2", slots=slots, ctx_per_slot=ctx,
-                                                    threads=1, slot_save_path=None))
+                                                    threads=1))
                for _ in range(n)]
 
 
@@ -221,6 +223,10 @@ def measure(args: argparse.Namespace, redis_server: RedisProcess,
                         replica_id=f"{arm}-{i}",
                         args=["--placement", arm, "--redis-prefix", f"bench-{arm}-{rep}"],
                         env={"PREFIXPIN_PARKING": "0", "PREFIXPIN_LOG_LEVEL": "warning"}))
+                idle_from, _ = redis_stats(redis_server.url)
+                time.sleep(IDLE_S)
+                idle_to, _ = redis_stats(redis_server.url)
+                idle_rate = (idle_to - idle_from - 1) / IDLE_S  # one INFO is ours
                 before_tokens = prefilled(engines)
                 before_ops, before_cmds = redis_stats(redis_server.url)
                 started = time.monotonic()
@@ -235,7 +241,8 @@ def measure(args: argparse.Namespace, redis_server: RedisProcess,
             delta = {k: after_cmds[k] - before_cmds.get(k, 0) for k in after_cmds
                      if after_cmds[k] - before_cmds.get(k, 0) > 0}
             runs.append(ArmRun(arm, rep, round(wall, 1), after_tokens - before_tokens,
-                               after_ops - before_ops, len(arm_rows), delta))
+                               after_ops - before_ops, len(arm_rows), delta,
+                               round(idle_rate, 1)))
             print(f"[multi] rep {rep} {arm}: {len(arm_rows)} turns in {wall:.0f} s, "
                   f"{summarize(arm_rows)['later_cached']:.3f} cached after the first turn",
                   flush=True)
@@ -272,18 +279,22 @@ def report(rows: list[TurnRow], runs: list[ArmRun], args: argparse.Namespace) ->
     base = summaries.get("round-robin") or next(iter(summaries.values()))
     lines = ["| placement | cached, turns 2+ | TTFT median, turns 2+ (ms) | vs round-robin | "
              "TTFT p90, turns 2+ (ms) | TTFT median, turn 1 (ms) | engine prefilled tokens | "
-             "Redis commands / request | failed |", "|---|---|---|---|---|---|---|---|---|"]
+             "Redis commands / request | idle Redis commands / s | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         s = summaries[arm]
         arm_runs = [run for run in runs if run.arm == arm]
         tokens = sum(run.engine_prefilled for run in arm_runs) / len(arm_runs)
-        ops = sum(run.redis_commands for run in arm_runs) / max(1, sum(r.requests
-                                                                         for r in arm_runs))
+        # Commands beyond what the replicas issue when idle (heartbeats), per request.
+        busy = sum(run.redis_commands - run.idle_commands_per_s * run.wall_s
+                   for run in arm_runs)
+        ops = busy / max(1, sum(run.requests for run in arm_runs))
+        idle = sum(run.idle_commands_per_s for run in arm_runs) / len(arm_runs)
         ratio = (s["later_ttft_median"] / base["later_ttft_median"]
                  if s["later_ttft_median"] and base["later_ttft_median"] else float("nan"))
         lines.append(f"| {arm} | {s['later_cached']:.3f} | {_ms(s['later_ttft_median'])} | "
                      f"{ratio:.2f} | {_ms(s['later_ttft_p90'])} | {_ms(s['first_ttft_median'])}"
-                     f" | {tokens:.0f} | {ops:.1f} | {s['failed']} of {s['turns']} |")
+                     f" | {tokens:.0f} | {ops:.1f} | {idle:.1f} | {s['failed']} of {s['turns']} |")
     lines += ["", "Redis commands per arm (all replicas, whole run):", ""]
     for run in runs:
         top = sorted(run.commandstats.items(), key=lambda kv: -kv[1])[:10]

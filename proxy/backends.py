@@ -211,23 +211,25 @@ class Placer:
         if mode == "round-robin":
             lane = up[next(self._turn) % len(up)]
             return Choice(lane, f"round-robin: {lane.label}")
-        loads = dict(zip([lane.label for lane in up],
-                         await asyncio.gather(*(lane.load() for lane in up)), strict=True))
         if mode == "least-loaded":
+            loads = await _loads(up)
             lane = min(up, key=lambda ln: ((loads[ln.label].busy + loads[ln.label].queued)
                                            / loads[ln.label].slots, ln.label))
             return Choice(lane, f"least-loaded: {lane.label}")
-        return await self._affinity(identity, up, loads)
+        return await self._affinity(identity, up)
 
-    async def _affinity(self, identity: str, up: list[Lane], loads: dict[str, Load]) -> Choice:
+    async def _affinity(self, identity: str, up: list[Lane]) -> Choice:
         by_label = {lane.label: lane for lane in self.lanes}
         limit = self.settings.overload_queue
         home = await self.homes.get(identity)
         lane = by_label.get(home) if home is not None else None
-        if lane is not None:
-            if lane.up and loads[lane.label].queued < limit:
+        if lane is not None and lane.up:  # the common case: one backend's load is enough
+            queued = (await lane.load()).queued
+            if queued < limit:
                 await self.homes.touch(identity, lane.label)
                 return Choice(lane, f"stays on {lane.label}")
+        loads = await _loads(up)
+        if lane is not None:
             if lane.up:
                 why = (f"backend {lane.label} overloaded ({loads[lane.label].queued} requests "
                        f"queued >= --overload-queue {limit})")
@@ -257,6 +259,11 @@ class Placer:
         chosen = await self.homes.assign(identity, [(label, slots[label] * share)
                                                     for label in order])
         return next(lane for lane in candidates if lane.label == chosen)
+
+
+async def _loads(lanes: list[Lane]) -> dict[str, Load]:
+    values = await asyncio.gather(*(lane.load() for lane in lanes))
+    return dict(zip([lane.label for lane in lanes], values, strict=True))
 
 
 class LanePlanner:
@@ -466,7 +473,7 @@ async def _affinity_on(router: Router, lane: Lane, info: EngineInfo,
 
         shared_pool = SharedSlotPool(router.cluster, lane.label, info.n_slots, logger)
         await shared_pool.adopt_engine(info)
-        pool, refresh = shared_pool, shared_pool.refresh
+        pool, refresh = shared_pool, shared_pool.recent
         lane.load_of = shared_pool.load
     else:
         pool = SlotPool(info.n_slots)

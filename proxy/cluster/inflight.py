@@ -60,6 +60,9 @@ class Claim:
     stream: str
     token: str
 
+    def value(self) -> bytes:
+        return orjson.dumps({"r": self.replica, "s": self.stream, "t": self.token})
+
 
 class ClusterInFlight(InFlight):
     def __init__(self, cluster: Cluster, logger: logging.Logger, *, grace_s: float) -> None:
@@ -82,9 +85,8 @@ class ClusterInFlight(InFlight):
             token = self.cluster.token()
             stream = self.cluster.key("gen", key.hex(), token.rsplit("/", 1)[1])
             claim = Claim(self.cluster.replica, stream, token)
-            value = orjson.dumps({"r": claim.replica, "s": stream, "t": token})
             try:
-                if await self.cluster.r.set(self._claim_key(key), value, nx=True,
+                if await self.cluster.r.set(self._claim_key(key), claim.value(), nx=True,
                                             px=int(CLAIM_TTL_S * 1000)):
                     return self._reserve_claimed(key, claim)
                 other = await self._current_claim(key)
@@ -116,7 +118,7 @@ class ClusterInFlight(InFlight):
     def _drop_claim(self, key: bytes) -> None:
         claim = self._claims.pop(key, None)
         if claim is not None:
-            self._spawn(self._delete_claim(key, claim.token))
+            self._spawn(self._delete_claim(key, claim))
 
     async def _keep_claim(self, key: bytes, claim: Claim) -> None:
         while self._claims.get(key) is claim:
@@ -124,15 +126,12 @@ class ClusterInFlight(InFlight):
             if self._claims.get(key) is not claim:
                 return
             with contextlib.suppress(redis.RedisError, OSError):
-                value = orjson.dumps({"r": claim.replica, "s": claim.stream, "t": claim.token})
                 await self.cluster.expire_if(keys=[self._claim_key(key)],
-                                             args=[value, int(CLAIM_TTL_S * 1000)])
+                                             args=[claim.value(), int(CLAIM_TTL_S * 1000)])
 
-    async def _delete_claim(self, key: bytes, token: str) -> None:
+    async def _delete_claim(self, key: bytes, claim: Claim) -> None:
         with contextlib.suppress(redis.RedisError, OSError):
-            raw = await self.cluster.r.get(self._claim_key(key))
-            if raw is not None and orjson.loads(raw).get("t") == token:
-                await self.cluster.delete_if(keys=[self._claim_key(key)], args=[raw])
+            await self.cluster.delete_if(keys=[self._claim_key(key)], args=[claim.value()])
 
     async def _current_claim(self, key: bytes) -> Claim | None:
         raw = await self.cluster.r.get(self._claim_key(key))

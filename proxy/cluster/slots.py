@@ -102,6 +102,7 @@ class SharedSlotPool(SlotPool):
         self._engine_script = cluster.r.register_script(_ENGINE)
         self._queued_elsewhere = 0
         self._load_at = -1.0
+        self._held: set[int] = set()  # slots this replica leases now: its copy is the truth
 
     def _lock(self, slot: int) -> str:
         return self.cluster.key("lock", self.backend, str(slot))
@@ -129,8 +130,10 @@ class SharedSlotPool(SlotPool):
             pipe.hgetall(self._queue)
             table, locks, queue = await pipe.execute()
         now_wall, now = time.time(), time.monotonic()
-        self._known.clear()
+        self._known &= self._held
         for entry in self.entries:
+            if entry.index in self._held:
+                continue  # written back when its lease ends
             raw = table.get(str(entry.index).encode())
             data: dict[str, Any] = orjson.loads(raw) if raw else {}
             entry.occupant = data.get("o") or None
@@ -145,9 +148,13 @@ class SharedSlotPool(SlotPool):
             if self.cluster.alive(replica.decode()) and replica.decode() != self.cluster.replica)
         self._load_at = now
 
-    async def load(self) -> Load:
+    async def recent(self) -> None:
+        """The table as read at most ``LOAD_CACHE_S`` ago (placement just read it)."""
         if time.monotonic() - self._load_at > LOAD_CACHE_S:
             await self.refresh()
+
+    async def load(self) -> Load:
+        await self.recent()
         busy = sum(1 for e in self.entries if e.busy)
         return Load(len(self.entries), busy, self.waiting + self._queued_elsewhere)
 
@@ -176,6 +183,7 @@ class SharedSlotPool(SlotPool):
             entry.busy = False
             entry.last_used = time.monotonic()
             await self._release(entry, token)
+            self._held.discard(entry.index)
             async with self._changed:
                 self._changed.notify_all()
 
@@ -224,6 +232,7 @@ class SharedSlotPool(SlotPool):
             return None
         entry.occupant, entry.kind, entry.tokens = scratch.occupant, scratch.kind, scratch.tokens
         entry.busy = True
+        self._held.add(entry.index)
         return entry, eviction, resident, token
 
     async def _release(self, entry: SlotEntry, token: str) -> None:

@@ -196,3 +196,30 @@ async def test_slot_leases_are_exclusive_across_replicas(redis_server: RedisProc
         assert len(engine.requests) == 15
         assert set(watches[0].most) <= {0, 1}
         assert max(watches[0].most.values()) == 1  # never two requests on one slot at once
+
+
+async def test_concurrent_sessions_alternating_replicas_all_keep_their_slots(
+        redis_server: RedisProcess) -> None:
+    """Four sessions at once on two engines of two slots, every turn on the other replica:
+    each keeps its slot and its cache (the slot table read by one request must not erase
+    what a lease held by the same replica has learnt: found by bench/multi.py)."""
+    engines = [FakeLlamaServer(FakeLlamaConfig(n_slots=2, token_delay_s=0.05))
+               for _ in URLS]
+    async with replicas(redis_server.url, engines) as (clients, _):
+        cached: list[tuple[int, int, int]] = []
+
+        async def session(i: int) -> None:
+            await asyncio.sleep(0.1 * i)  # each starts while the others hold their slots
+            history: list[dict[str, Any]] = [{"role": "system", "content": f"agent {i} " * 40}]
+            for t in range(4):
+                history.append({"role": "user", "content": f"session {i} turn {t}"})
+                reply = await chat(clients[(i + t) % 2], history, f"k{i}")
+                usage = reply["usage"]
+                cached.append((t, usage["prompt_tokens_details"]["cached_tokens"],
+                               usage["prompt_tokens"]))
+                history.append(reply["choices"][0]["message"])
+
+        await asyncio.gather(*(session(i) for i in range(4)))
+        later = [c / p for t, c, p in cached if t > 0]
+        assert len(later) == 12
+        assert min(later) >= 0.8, cached
