@@ -89,7 +89,8 @@ class AffinityPlanner:
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
         namespace = namespace_of(request.headers)
         identity = explicit_identity(client.body, request.headers)
-        decision = await self._decide(client, namespace, identity, backend)
+        digests = [digest(m) for m in client.body.get("messages") or []]
+        decision = await self._decide(client, namespace, identity, backend, digests)
         session = decision.session
         self._observe(decision, backend.label)
         body = dict(decision.body if decision.body is not None else client.body)
@@ -100,6 +101,8 @@ class AffinityPlanner:
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens))
         plan.extras["chain"] = decision.chain
+        if decision.body is None:
+            plan.extras["digests"] = digests  # the commit needs them: computed once
         if decision.repairs:
             notes["repairs"] = [r.line() for r in decision.repairs]
         return plan
@@ -157,8 +160,8 @@ class AffinityPlanner:
         if not outcome.ok:
             return
         body = plan.body
-        session.committed = (Committed.of_chat(body) if "messages" in body
-                             else Committed.of_completion(body))
+        session.committed = (Committed.of_chat(body, plan.extras.get("digests"))
+                             if "messages" in body else Committed.of_completion(body))
         session.chain = plan.extras.get("chain") or session.chain
         if outcome.reply is not None:
             memory = session.pinned.setdefault("repair", RepairMemory())
@@ -175,10 +178,10 @@ class AffinityPlanner:
             sum(1 for e in self.pool.entries if e.occupant is not None))
 
     async def _decide(self, client: ClientRequest, namespace: str,
-                      identity: ExplicitIdentity | None, backend: Backend) -> Decision:
+                      identity: ExplicitIdentity | None, backend: Backend,
+                      digests: Sequence[bytes]) -> Decision:
         body = client.body
         messages: Sequence[Mapping[str, Any]] = body.get("messages") or []
-        digests = [digest(m) for m in messages]
         chain = await self._chain(client, messages)
         tier: Tier
         if identity is not None:

@@ -67,6 +67,18 @@ RAW_PROMPT_ANCHOR = 1024
 RepairerFactory = Callable[[Settings, Fingerprinter | None, logging.Logger], Repairer | None]
 
 
+class SharedStateError(ProxyError):
+    """Redis (the state replicas share) did not answer: the request is refused rather than
+    decided on state this replica cannot check."""
+
+    status_code = 503
+    error_type = "server_busy"
+    code = "shared_state_unavailable"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "2"}
+
+
 @dataclass(frozen=True, slots=True)
 class Load:
     """What placement weighs: slots, those leased now, requests waiting for one."""
@@ -279,14 +291,19 @@ class LanePlanner:
         self.store = store
         self.shared = shared  # proxy.cluster.sessions.SharedSessions
         self.refresh = refresh
+        self.errors: tuple[type[BaseException], ...] = (
+            shared.cluster.errors if shared is not None else ())
 
     async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
-        if self.shared is not None:
-            explicit = explicit_identity(client.body, request.headers)
-            await self.shared.hydrate(namespace_of(request.headers),
-                                      explicit.key if explicit else None)
-        if self.refresh is not None:
-            await self.refresh()  # the slot table, as other replicas left it
+        try:
+            if self.shared is not None:
+                explicit = explicit_identity(client.body, request.headers)
+                await self.shared.hydrate(namespace_of(request.headers),
+                                          explicit.key if explicit else None)
+            if self.refresh is not None:
+                await self.refresh()  # the slot table, as other replicas left it
+        except self.errors as exc:
+            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
         plan = await self.inner.plan(client, request, backend)
         choice: Choice | None = getattr(request.state, PLACEMENT_STATE, None)
         if choice is not None:
@@ -324,6 +341,8 @@ class Router:
         self.log = logger
         self.inflight = inflight
         self.cluster = cluster  # proxy.cluster.core.Cluster
+        self.errors: tuple[type[BaseException], ...] = (
+            cluster.errors if cluster is not None else ())
         self.first_probe = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -343,7 +362,11 @@ class Router:
             raise
         identity = session_identity(namespace_of(request.headers), client.body,
                                     request.headers)
-        choice = await self.placer.choose(identity)
+        try:
+            choice = await self.placer.choose(identity)
+        except self.errors as exc:
+            self.metrics.requests.labels(endpoint, "upstream_error").inc()
+            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
         setattr(request.state, PLACEMENT_STATE, choice)
         if choice.moved:
             log_event(self.log, logging.WARNING, "session moved", identity=identity,

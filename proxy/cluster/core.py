@@ -69,6 +69,8 @@ class Cluster:
         self.delete_if = self.r.register_script(_DELETE_IF)
         self.expire_if = self.r.register_script(_EXPIRE_IF)
         self._task: asyncio.Task[None] | None = None
+        # What a lost or refusing Redis raises (the boundary turns them into a 503).
+        self.errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))

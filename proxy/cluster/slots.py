@@ -34,7 +34,7 @@ import orjson
 import redis
 
 from adapters.base import EngineInfo
-from proxy.backends import Load
+from proxy.backends import Load, SharedStateError
 from proxy.cluster.core import Cluster
 from proxy.errors import QueueTimeoutError
 from proxy.logs import log_event
@@ -190,6 +190,14 @@ class SharedSlotPool(SlotPool):
     async def _acquire_shared(self, want: Want, timeout_s: float,
                               on_wait: Callable[[str], None] | None
                               ) -> tuple[SlotEntry, Eviction | None, bool, str]:
+        try:
+            return await self._acquire_waiting(want, timeout_s, on_wait)
+        except self.cluster.errors as exc:
+            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
+
+    async def _acquire_waiting(self, want: Want, timeout_s: float,
+                               on_wait: Callable[[str], None] | None
+                               ) -> tuple[SlotEntry, Eviction | None, bool, str]:
         deadline = time.monotonic() + timeout_s
         self.waiting += 1
         await self._count_waiting(+1)

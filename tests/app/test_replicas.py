@@ -223,3 +223,23 @@ async def test_concurrent_sessions_alternating_replicas_all_keep_their_slots(
         later = [c / p for t, c, p in cached if t > 0]
         assert len(later) == 12
         assert min(later) >= 0.8, cached
+
+
+async def test_redis_gone_is_a_503_that_names_it_not_a_wrong_decision() -> None:
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
+    with run_redis_server() as own:
+        async with replicas(own.url, [engine], n=1) as (clients, _):
+            history = [{"role": "user", "content": "hello"}]
+            await chat(clients[0], history, "k")
+            own.process.terminate()
+            own.process.wait(10)
+            response = await clients[0].post(
+                "/v1/chat/completions", headers={"x-session-id": "k"},
+                json={"model": "m", "max_tokens": 4,
+                      "messages": [*history, {"role": "user", "content": "again"}]})
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "2"
+            error = response.json()["error"]
+            assert error["code"] == "shared_state_unavailable"
+            assert "Redis" in error["message"]
+            assert len(engine.requests) == 1
