@@ -9,6 +9,7 @@ restarts before each of its reps, so every rep starts from the same proxy state.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ class Arm:
     name: str
     url: str
     process: ManagedProcess | None = None  # a proxy this run starts and restarts
+    embedded: bool = False  # its engine is in the process itself, not the rig's engine
 
 
 @dataclass(slots=True)
@@ -30,8 +32,16 @@ class Rig:
     engine: EngineAPI
     reset: str  # restart | erase | none
     llama: ManagedProcess | None
+    slot_dir: Path | None = None  # the started engine's --slot-save-path
 
     def reset_for(self, arm: Arm) -> None:
+        # The arm's proxy stops first: a clean shutdown parks its sessions, and those files
+        # (and the park index) must not warm this rep's turn 0.
+        if arm.process is not None:
+            arm.process.stop()
+        if self.slot_dir is not None and self.reset != "none":
+            shutil.rmtree(self.slot_dir, ignore_errors=True)
+            self.slot_dir.mkdir(parents=True)
         if self.reset == "restart":
             if self.llama is None:
                 raise EngineError("--reset restart needs --start-llama")
@@ -39,7 +49,7 @@ class Rig:
         elif self.reset == "erase":
             self.engine.erase_slots()
         if arm.process is not None:
-            arm.process.restart()
+            arm.process.start()
 
 
 def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list[Arm]:
@@ -47,15 +57,23 @@ def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list
     for spec in args.arm:
         name, _, url = spec.partition("=")
         arms.append(Arm(name, engine_url if url in ("", "engine") else url.rstrip("/")))
-    for spec in args.serve_arm:
+    served = [(spec, False) for spec in args.serve_arm]
+    served += [(spec, True) for spec in getattr(args, "embedded_arm", [])]
+    for spec, embedded in served:
         name, _, env_spec = spec.partition(":")
         env = dict(item.split("=", 1) for item in env_spec.split(",") if item)
+        if embedded:
+            # Its own park directory, emptied with the engine's before every rep.
+            env.setdefault("PREFIXPIN_PARK_DIR", f"{{slots}}/embedded-{name}")
+        # {slots} is the started engine's --slot-save-path: a parking arm parks there.
+        env = {key: value.replace("{slots}", str(log_dir / "slots")) for key, value in env.items()}
         port = free_port()
-        argv = [str(Path(sys.executable).parent / "prefixpin"), "serve",
-                "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(port)]
+        upstream = [] if embedded else ["--upstream", engine_url]
+        argv = [str(Path(sys.executable).parent / "prefixpin"), "serve", *upstream,
+                "--host", "127.0.0.1", "--port", str(port)]
         process = ManagedProcess(f"prefixpin[{name}]", argv, f"http://127.0.0.1:{port}/healthz",
                                  log_dir / f"prefixpin-{name}.log", env=env)
-        arms.append(Arm(name, f"http://127.0.0.1:{port}", process))
+        arms.append(Arm(name, f"http://127.0.0.1:{port}", process, embedded))
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
         raise SystemExit(f"arm names must be unique: {names}")

@@ -1,14 +1,18 @@
 """What the proxy adds: latency per request and relay throughput, side by side with direct.
 
 A zero-latency fake llama-server (``proxy.testing.fake_llama``, real uvicorn, its own
-process) serves both arms; prefixpin runs in its own process in front of it (features at
-their defaults). Requests alternate direct / proxy so machine noise hits both arms alike.
+process) serves every arm; prefixpin runs in its own process in front of it (features at
+their defaults), and so does the floor: a bare starlette + httpx relay on the same server
+stack (``bench/floor_proxy.py``), the least any proxy built on these libraries adds.
+Requests alternate direct / proxy / floor so machine noise hits the arms alike.
 
     python bench/overhead.py [--requests 400] [--events 20000] [--out bench/results/overhead]
 
 Added latency = the proxy arm's percentile minus the direct arm's, for the time to the
 last byte of a short streamed chat completion (the whole request path) and the time to
 its first data event. Relay throughput = data events per second of one long stream.
+``*_floor_added_ms`` is the same figure for the floor arm: prefixpin's own work is the
+difference between the two.
 """
 
 from __future__ import annotations
@@ -82,11 +86,15 @@ def run(requests: int, events: int) -> dict[str, Any]:
                 "--reply-words", str(events), "--events-per-write", "16"]
     proxy_cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
                  "--port", str(proxy_port), "--log-level", "warning"]
-    arms = {"direct": fake, "proxy": proxied}
+    floor_port = free_port()
+    floor = f"http://127.0.0.1:{floor_port}"
+    floor_cmd = [sys.executable, str(Path(__file__).with_name("floor_proxy.py")), fake,
+                 str(floor_port)]
+    arms = {"direct": fake, "proxy": proxied, "floor": floor}
     first: dict[str, list[float]] = {arm: [] for arm in arms}
     total: dict[str, list[float]] = {arm: [] for arm in arms}
     throughput: dict[str, list[float]] = {arm: [] for arm in arms}
-    with process(fake_cmd, fake), process(proxy_cmd, proxied.replace("/health", "")), \
+    with process(fake_cmd, fake), process(proxy_cmd, proxied), process(floor_cmd, floor), \
             httpx.Client(timeout=60) as client:
         for url in arms.values():  # warm up both paths
             for _ in range(20):
@@ -111,11 +119,15 @@ def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
         for q, label in ((0.5, "p50"), (0.99, "p99")):
             direct = percentile(series["direct"], q) * ms
             proxy = percentile(series["proxy"], q) * ms
+            floor = percentile(series["floor"], q) * ms
             result[f"{name}_{label}_direct_ms"] = round(direct, 3)
             result[f"{name}_{label}_proxy_ms"] = round(proxy, 3)
             result[f"{name}_{label}_added_ms"] = round(proxy - direct, 3)
+            # The bare starlette + httpx relay (bench/floor_proxy.py): the stack's own cost.
+            result[f"{name}_{label}_floor_added_ms"] = round(floor - direct, 3)
     result["relay_events_per_s_direct"] = round(statistics.median(throughput["direct"]))
     result["relay_events_per_s_proxy"] = round(statistics.median(throughput["proxy"]))
+    result["relay_events_per_s_floor"] = round(statistics.median(throughput["floor"]))
     result["relay_ratio_proxy_over_direct"] = round(
         result["relay_events_per_s_proxy"] / result["relay_events_per_s_direct"], 3)
     return result

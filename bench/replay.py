@@ -55,7 +55,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="an arm by URL; NAME alone or NAME=engine is the engine itself")
     parser.add_argument("--serve-arm", action="append", default=[],
                         metavar="NAME[:ENV=VALUE,...]",
-                        help="start `prefixpin serve --upstream ENGINE` with these env vars")
+                        help="start `prefixpin serve --upstream ENGINE` with these env vars "
+                             "({slots} in a value: the started engine's --slot-save-path)")
+    parser.add_argument("--embedded-arm", action="append", default=[],
+                        metavar="NAME[:ENV=VALUE,...]",
+                        help="start `prefixpin serve` on its embedded engine (no upstream): "
+                             "an engine of its own, restarted before each of its reps")
     parser.add_argument("--engine", metavar="URL", help="the llama-server behind the arms")
     parser.add_argument("--start-llama", action="store_true",
                         help="start the rig's llama-server (SmolLM2, -c 16384 -np 2)")
@@ -79,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--logs", type=Path, help="keep llama-server and proxy logs here "
                         "(default: a temporary directory, removed after a successful run)")
     args = parser.parse_args(argv)
-    if not args.arm and not args.serve_arm:
+    if not args.arm and not args.serve_arm and not args.embedded_arm:
         args.arm = ["direct"]
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -98,6 +103,9 @@ class Snapshot:
 
 
 def snapshot(rig: Rig, arm: Arm) -> Snapshot:
+    if arm.embedded and arm.process is not None:
+        # The arm is its own engine: the rig engine's counters say nothing of it.
+        return Snapshot({}, arm.process.cpu_seconds(), None)
     return Snapshot(rig.engine.counters(),
                     rig.llama.cpu_seconds() if rig.llama else None,
                     arm.process.cpu_seconds() if arm.process else None)
@@ -207,7 +215,8 @@ def run(args: argparse.Namespace, argv: list[str], scenario: Scenario,
     engine = EngineAPI(args.engine or (llama.health_url.removesuffix("/health") if llama
                                        else ""))
     arms = build_arms(args, engine.url, work)
-    rig = Rig(engine, args.reset or ("restart" if llama else "erase"), llama)
+    rig = Rig(engine, args.reset or ("restart" if llama else "erase"), llama,
+              work / "slots" if llama else None)
     baseline = args.baseline or arms[0].name
     rows: list[report.Row] = []
     props: dict[str, Any] = {}

@@ -140,6 +140,10 @@ class Generation:
             if frame.kind is FrameKind.DONE:
                 self.completed = True
                 self._notify()
+                # Let the clients write their last event before this task reads the body's
+                # end, releases the slot and records the request: that bookkeeping is not
+                # on their latency.
+                await asyncio.sleep(0)
         if not self.completed:
             # A stream that ends without [DONE] was cut off: never pretend it completed.
             raise UpstreamProtocolError("engine closed the stream before it finished")
