@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import httpx
 
 from bench.overhead import percentile, process, timed_request

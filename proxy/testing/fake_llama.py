@@ -72,6 +72,9 @@ class FakeLlamaServer:
         self.start_us = time.monotonic_ns() // 1000
         self._task_ids = 0
         self.prompt_tokens_processed = 0
+        # The last prompt's tokens: a bench resending one long conversation must not time
+        # the fake's own tokenizer (the prompt is compared whole, so the memo cannot lie).
+        self._last_tokens: tuple[str, list[str]] = ("", [])
         self.faults: list[str] = []
 
     def app(self) -> Starlette:
@@ -146,7 +149,9 @@ class FakeLlamaServer:
         if fault == "not_sse":
             return Response("<html><body>502 Bad Gateway</body></html>", media_type="text/html")
         prompt = _render(body, chat)
-        tokens = WORD.findall(prompt)
+        if prompt != self._last_tokens[0]:
+            self._last_tokens = (prompt, WORD.findall(prompt))
+        tokens = list(self._last_tokens[1])
         if len(tokens) >= self.config.n_ctx or fault == "context":
             return _error(400, f"the request exceeds the available context size "
                           f"({len(tokens)} tokens, context size {self.config.n_ctx})",
@@ -287,12 +292,18 @@ def _render(body: Mapping[str, Any], chat: bool) -> str:
 
 
 def _lcp(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Longest common prefix by bisection over slice comparisons (C speed): the fake's own
+    cost must not grow with the prompt, or benches that use it as their baseline skew."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low] holds; a[:high+1] differs
+    if a[:high] == b[:high]:
+        return high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _progress(total: int, cache: int, processed: int, started: float) -> dict[str, Any]:
