@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import uvicorn
@@ -27,7 +28,10 @@ def serve(settings: Settings) -> int:
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5, **http_options())
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn shuts down gracefully on Ctrl-C, then re-raises the signal it caught: after a
+    # clean shutdown that is a normal exit, not a traceback on the user's terminal.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     return 0 if server.started else 1
 
 

