@@ -11,7 +11,7 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY adapters ./adapters
 COPY fingerprint ./fingerprint
-RUN pip install . && rm -rf /src
+RUN pip install ".[replicas]" && rm -rf /src
 
 # Parked sessions and other state live here (mount a volume to keep them).
 RUN useradd --system --create-home --home-dir /var/lib/prefixpin prefixpin

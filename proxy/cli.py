@@ -38,8 +38,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "(default 256 tokens)"),
     "--park-verify": ("park_verify", str, "full (blake3 of the whole file, default) | tokens "
                       "(size and token list only)"),
-    "--redis": ("redis", str, "Redis URL (redis://host:port/db): sessions, slots, park and "
-                "in-flight state shared by several replicas (env PREFIXPIN_REDIS)"),
+    "--redis": ("redis", str, "Redis URL (redis://host:port/db): sessions, slot leases, homes and "
+                "in-flight generations shared by several replicas (env PREFIXPIN_REDIS; "
+                "needs the `replicas` extra)"),
     "--redis-prefix": ("redis_prefix", str, "prefix of every Redis key (default prefixpin)"),
     "--replica-id": ("replica_id", str, "this replica's name in Redis (default: random)"),
     "--placement": ("placement", str, "affinity (default) | round-robin | least-loaded: how "

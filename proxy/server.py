@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 
 import uvicorn
@@ -21,6 +22,10 @@ def serve(settings: Settings) -> int:
         except Exception as exc:  # one clear line instead of a traceback
             print(f"prefixpin: {exc}", file=sys.stderr)
             return 1
+    if settings.redis is not None and importlib.util.find_spec("redis") is None:
+        print("prefixpin: --redis needs the `redis` package: pip install 'prefixpin[replicas]'",
+              file=sys.stderr)
+        return 1
     app = create_app(settings)
     # uvicorn speaks ASGI HTTP spec 2.3, so Starlette's StreamingResponse listens for
     # http.disconnect while it streams: a client that leaves cancels the relay at once.
