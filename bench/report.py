@@ -62,6 +62,23 @@ class ArmSummary:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def kept_min(self) -> float | None:
+        """Worst turn's cached tokens over its session's previous prompt (capped at 1).
+
+        The share of the prompt served from cache depends on how much a turn adds (a 1k-token
+        tool result on a 3k-token history caps it near 75% in any arm); this asks what a
+        cache layer controls: was everything the engine had already seen reused?
+        """
+        previous: dict[str, float] = {}
+        kept = []
+        for turn in self.turns:
+            before = previous.get(turn.session)
+            if before and not math.isnan(turn.cached_tokens):
+                kept.append(min(1.0, turn.cached_tokens / before))
+            previous[turn.session] = turn.prompt_tokens
+        return min(kept) if kept else None
+
+    @property
     def flatness(self) -> float | None:
         """Last turn's TTFT over the second turn's (issue 6's flat line is <= 1.5).
 
@@ -133,18 +150,21 @@ def markdown(scenario: str, summaries: dict[str, ArmSummary], baseline: str) -> 
              "(below 1 is faster).", "",
              "| arm | reps | summed TTFT (s) | ratio | end-to-end (s) | ratio | "
              "cached / prompt tokens | engine prefilled tokens | engine prefill (s) | "
-             "TTFT - prefill (s) | proxy CPU (s) | last / 2nd turn TTFT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT - prefill (s) | proxy CPU (s) | last / 2nd turn TTFT | "
+             "previous prompt reused (worst turn) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summaries.items():
         engine = "n/a" if s.engine_prompt_tokens is None else f"{s.engine_prompt_tokens:.0f}"
         flat = "n/a" if s.flatness is None else f"{s.flatness:.2f}"
         cpu = "n/a" if s.arm_cpu_s is None else f"{s.arm_cpu_s:.2f}"
+        kept = "n/a" if s.kept_min is None else f"{100 * s.kept_min:.0f}%"
         lines.append(
             f"| {arm} | {s.reps} | {s.summed_ttft_ms / 1000:.2f} | "
             f"{s.summed_ttft_ms / base.summed_ttft_ms:.2f} | {s.wall_ms / 1000:.2f} | "
             f"{s.wall_ms / base.wall_ms:.2f} | {s.cached_tokens:.0f} / {s.prompt_tokens:.0f} "
             f"({100 * s.reuse:.0f}%) | {engine} | {s.summed_prefill_ms / 1000:.2f} | "
-            f"{(s.summed_ttft_ms - s.summed_prefill_ms) / 1000:.2f} | {cpu} | {flat} |")
+            f"{(s.summed_ttft_ms - s.summed_prefill_ms) / 1000:.2f} | {cpu} | {flat} | "
+            f"{kept} |")
     lines += ["", "## Per turn", "", _turn_header(summaries), _turn_rule(summaries)]
     for index, turn in enumerate(base.turns):
         cells = [str(turn.seq), turn.session, str(turn.step), "yes" if turn.rewrote else ""]

@@ -136,6 +136,19 @@ def test_flat_line_ratio_only_for_one_session() -> None:
     assert summarize(rows)["a"].flatness is None
 
 
+def test_previous_prompt_reuse_is_per_session_and_names_the_worst_turn() -> None:
+    """Cached tokens over the same session's previous prompt, capped at 1: a turn that
+    adds a lot is not held against the cache; a turn that lost part of the history is."""
+    rows = [_row("a", 0, seq, 100.0) for seq in range(4)]
+    for row, session, prompt, cached in zip(rows, ["s", "t", "s", "t"], [100, 80, 150, 120],
+                                            [0, 0, 120, 60], strict=True):
+        row.update(session=session, prompt_tokens=prompt, cached_tokens=cached)
+    assert summarize(rows)["a"].kept_min == pytest.approx(60 / 80)
+    rows[3]["cached_tokens"] = 100
+    assert summarize(rows)["a"].kept_min == 1.0
+    assert summarize(rows[:2])["a"].kept_min is None  # no session has a second turn
+
+
 def test_a_failed_turn_does_not_break_the_medians() -> None:
     """A turn with no TTFT in one rep takes the median of the reps that answered."""
     rows = [_row("a", 0, 0, 100.0), _row("a", 1, 0, 300.0), _row("a", 2, 0, 200.0)]
