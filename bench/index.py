@@ -17,14 +17,16 @@ _HEADER = """# Bench results
 
 One line per scenario and arm: the sum of per-turn median TTFTs, its ratio to the
 scenario's baseline arm, the share of prompt tokens served from cache, the tokens the
-engine really prefilled (per rep), and the turns on which the client rewrote history.
+engine really prefilled (per rep), the worst turn's reuse of its session's previous
+prompt ("prior prompt kept": what a cache layer controls; 100% means nothing the engine
+had seen was lost), and the turns on which the client rewrote history.
 Each directory has the per-turn table (`table.md`), the plot (`ttft.png`), the rows and
 `RUN.md` with the exact command, machine and versions. Re-create this file with
 `python -m bench.index`.
 
-| scenario | arm | summed TTFT (s) | ratio | cached | engine prefilled tokens | rewrite turns |
-|---|---|---|---|---|---|---|
 """
+_HEADER += ("| scenario | arm | summed TTFT (s) | ratio | cached | engine prefilled tokens "
+            "| prior prompt kept | rewrite turns |\n|---|---|---|---|---|---|---|---|\n")
 
 
 def scenario_lines(directory: Path) -> list[str]:
@@ -38,9 +40,10 @@ def scenario_lines(directory: Path) -> list[str]:
 def _line(scenario: str, s: ArmSummary, baseline: ArmSummary) -> str:
     rewrites = sum(1 for turn in s.turns if turn.rewrote)
     engine = "n/a" if s.engine_prompt_tokens is None else f"{s.engine_prompt_tokens:.0f}"
+    kept = "n/a" if s.kept_min is None else f"{100 * s.kept_min:.0f}%"
     return (f"| [{scenario}]({scenario}/table.md) | {s.arm} | {s.summed_ttft_ms / 1000:.1f} | "
             f"{s.summed_ttft_ms / baseline.summed_ttft_ms:.2f} | {100 * s.reuse:.0f}% | "
-            f"{engine} | {rewrites} of {len(s.turns)} |")
+            f"{engine} | {kept} | {rewrites} of {len(s.turns)} |")
 
 
 def build(results: Path) -> str:

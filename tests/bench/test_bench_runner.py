@@ -182,4 +182,4 @@ def test_results_index_has_one_line_per_scenario_and_arm(tmp_path: Path) -> None
         write_rows(tmp_path / scenario / "rows.jsonl", rows)
     text = build_index(tmp_path)
     assert text.count("| [one](one/table.md) |") == 2
-    assert "| [two](two/table.md) | b | 0.2 | 1.00 | 50% | 20 | 0 of 2 |" in text
+    assert "| [two](two/table.md) | b | 0.2 | 1.00 | 50% | 20 | 50% | 0 of 2 |" in text
