@@ -45,32 +45,39 @@ def _bounded_httptools_protocol() -> type[Any]:
 
         _in_head = True
         _head_bytes = 0
+        _tail = b""  # the last bytes of a head so far: its end may straddle two reads
         _refused = False
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # the answer is out; what the client still sends is dropped
-            was_in_head = self._in_head
+            if self._in_head:
+                # Counted before the parser sees the bytes, up to the end of the head only:
+                # a read may hold a whole request (head and a 150 kB body), or a head and
+                # the start of its body; none of that body is head bytes.
+                window = self._tail + data
+                end = window.find(b"\r\n\r\n")
+                head_part = len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+                self._head_bytes += head_part
+                self._tail = window[-3:]
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self.logger.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
+                    self._refuse(error_bytes(
+                        431, "Request Header Fields Too Large",
+                        f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                        "headers_too_large"))
+                    return
             super().data_received(data)
-            # Only a chunk that began inside a head and did not finish it is head bytes (a
-            # chunk that ends a body and starts the next head counts from the next chunk).
-            if not (was_in_head and self._in_head) or self.transport.is_closing():
-                return
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self.logger.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
-                self._refuse(error_bytes(
-                    431, "Request Header Fields Too Large",
-                    f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
-                    "headers_too_large"))
 
         def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
+            self._in_head, self._head_bytes, self._tail = False, 0, b""
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._in_head = True  # what follows on this connection is the next request head
+            # What follows on this connection is the next request head (bytes of it that
+            # shared a read with this request's end are not counted: at most one read).
+            self._in_head = True
 
         def send_400_response(self, msg: str) -> None:
             self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",

@@ -242,23 +242,37 @@ def _check_messages(messages: object, max_messages: int) -> None:
 
 
 def _check_message(index: int, message: object) -> None:
-    where = f"messages[{index}]"
+    # Runs for every message of every request (hundreds in a long agent session): the
+    # common, valid case is a few type checks; the error text is built only on failure.
     if not isinstance(message, dict):
-        raise BadRequestError(f"'{where}' must be an object", param=where)
+        raise BadRequestError(f"'messages[{index}]' must be an object",
+                              param=f"messages[{index}]")
     role = message.get("role")
     if not isinstance(role, str) or role not in KNOWN_ROLES:
+        where = f"messages[{index}]"
         raise BadRequestError(f"'{where}.role' must be one of {sorted(KNOWN_ROLES)}, "
                               f"got {role!r}", param=f"{where}.role")
     content = message.get("content")
-    if content is not None and not isinstance(content, str | list):
+    if content is not None and type(content) is not str:
+        _check_content_parts(f"messages[{index}]", content)
+    for name in MESSAGE_STRING_FIELDS:
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            where = f"messages[{index}]"
+            raise BadRequestError(f"'{where}.{name}' must be a string", param=f"{where}.{name}")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        _check_tool_calls(f"messages[{index}]", tool_calls)
+
+
+def _check_content_parts(where: str, content: object) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
         raise BadRequestError(f"'{where}.content' must be a string, an array of parts or null",
                               param=f"{where}.content")
-    if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
+    if not all(isinstance(part, dict) for part in content):
         raise BadRequestError(f"'{where}.content' parts must be objects", param=f"{where}.content")
-    for name in MESSAGE_STRING_FIELDS:
-        if message.get(name) is not None and not isinstance(message[name], str):
-            raise BadRequestError(f"'{where}.{name}' must be a string", param=f"{where}.{name}")
-    _check_tool_calls(where, message.get("tool_calls"))
 
 
 def _check_tool_calls(where: str, tool_calls: object) -> None:
