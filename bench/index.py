@@ -48,7 +48,9 @@ def _line(scenario: str, s: ArmSummary, baseline: ArmSummary) -> str:
 
 def build(results: Path) -> str:
     lines = []
-    for directory in sorted(p for p in results.iterdir() if (p / "rows.jsonl").exists()):
+    # Replay results only: other benches (parking, multi, load) write their own tables.
+    for directory in sorted(p for p in results.iterdir() if (p / "rows.jsonl").exists()
+                            and (p / "ttft.png").exists()):
         lines += scenario_lines(directory)
     return _HEADER + "\n".join(lines) + "\n"
 
