@@ -180,6 +180,9 @@ def test_results_index_has_one_line_per_scenario_and_arm(tmp_path: Path) -> None
         rows = [dict(_row(arm, 0, seq, 100.0), baseline="a")
                 for arm in ("a", "b") for seq in range(2)]
         write_rows(tmp_path / scenario / "rows.jsonl", rows)
+    (tmp_path / "parking").mkdir()
+    write_rows(tmp_path / "parking" / "rows.jsonl", [{"arm": "alone", "prefilled": 3}])
     text = build_index(tmp_path)
+    assert "parking" not in text  # another bench's rows are not replay rows
     assert text.count("| [one](one/table.md) |") == 2
     assert "| [two](two/table.md) | b | 0.2 | 1.00 | 50% | 20 | 50% | 0 of 2 |" in text
