@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.engine import EngineAPI, EngineError, ManagedProcess, free_port, llama_server_argv
+from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_argv
+from proxy.testing.servers import free_port
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 

@@ -53,10 +53,11 @@ import httpx
 from bench.arms import TEMPLATES
 from bench.clients.base import Request
 from bench.clients.interleaved import InterleavedClient
-from bench.engine import EngineAPI, EngineError, ManagedProcess, free_port, llama_server_argv
+from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_argv
 from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
 from bench.runner import HTTP_TIMEOUT, Turn, send_turn
 from bench.transcript import Transcript, load_named
+from proxy.testing.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "parking"

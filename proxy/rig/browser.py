@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from proxy.rig._process import apt_install
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -24,17 +23,8 @@ def ensure_chromium(*, quiet: bool = False) -> Path | None:
     found = find_chromium()
     if found is not None:
         return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        if not quiet:
-            print("[prefixpin rig] chromium not found; install Debian's `chromium` package "
-                  "for the status page test", file=sys.stderr)
+    if not apt_install("chromium", "the status page test", quiet=quiet):
         return None
-    if not quiet:
-        print("[prefixpin rig] installing chromium (apt-get)", file=sys.stderr, flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
     return find_chromium()
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from proxy.rig._process import free_port, kill_process, log_tail, stop_process
 from proxy.rig.llama_build import ensure_llama_server
 from proxy.rig.models import ensure_model
 
@@ -29,21 +28,11 @@ class LlamaServerProcess:
     args: tuple[str, ...]  # the whole command line, binary included
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def kill(self) -> None:
         """Kill -9, as a crash would: no cleanup on the engine's side."""
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        kill_process(self.process)
 
 
 def llama_args(model: Path, port: int, *, slots: int, ctx_per_slot: int,
@@ -136,10 +125,4 @@ def restart(handle: LlamaServerProcess, startup_timeout: float = 120.0) -> Llama
 
 
 def stop(handle: LlamaServerProcess) -> None:
-    if handle.process.poll() is None:
-        handle.process.terminate()
-        try:
-            handle.process.wait(10)
-        except subprocess.TimeoutExpired:
-            handle.process.kill()
-            handle.process.wait(10)
+    stop_process(handle.process)

@@ -8,16 +8,16 @@ directory, and stop it when done.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from proxy.rig._process import apt_install, free_port, log_tail, stop_process
 
 BINARY = "redis-server"
 
@@ -30,8 +30,7 @@ class RedisProcess:
     log_path: Path
 
     def log_tail(self, lines: int = 20) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 def find_redis_server() -> Path | None:
@@ -44,25 +43,9 @@ def ensure_redis_server(*, quiet: bool = False) -> Path | None:
     found = find_redis_server()
     if found is not None:
         return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        if not quiet:
-            print("[prefixpin rig] redis-server not found; install Debian's `redis-server` "
-                  "package for the replica tests", file=sys.stderr)
+    if not apt_install("redis-server", "the replica tests", quiet=quiet):
         return None
-    if not quiet:
-        print("[prefixpin rig] installing redis-server (apt-get)", file=sys.stderr, flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
     return find_redis_server()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -73,7 +56,7 @@ def run_redis_server(*, port: int | None = None,
     binary = ensure_redis_server()
     if binary is None:
         raise RuntimeError("redis-server is not installed (Debian package redis-server)")
-    port = port or _free_port()
+    port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="prefixpin-redis-") as tmp:
         log_path = Path(tmp) / "redis.log"
         command = [str(binary), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
@@ -86,7 +69,7 @@ def run_redis_server(*, port: int | None = None,
             _wait_ready(handle, startup_timeout)
             yield handle
         finally:
-            _stop(handle)
+            stop_process(handle.process)
 
 
 def _wait_ready(handle: RedisProcess, timeout: float) -> None:
@@ -102,13 +85,3 @@ def _wait_ready(handle: RedisProcess, timeout: float) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"redis-server not ready after {timeout} s:\n{handle.log_tail()}")
-
-
-def _stop(handle: RedisProcess) -> None:
-    if handle.process.poll() is None:
-        handle.process.terminate()
-        try:
-            handle.process.wait(10)
-        except subprocess.TimeoutExpired:
-            handle.process.kill()
-            handle.process.wait(10)

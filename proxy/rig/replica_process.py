@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.rig.llama_process import free_port
+from proxy.rig._process import free_port, kill_process, log_tail, stop_process
 
 
 @dataclass(slots=True)
@@ -25,33 +24,27 @@ class ReplicaProcess:
     log_path: Path
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def kill(self) -> None:
         """SIGKILL, as a crash: no shutdown, no cleanup, connections simply drop."""
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+        kill_process(self.process)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.process, grace_s=15)
 
 
 def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None = None,
                   replica_id: str | None = None, args: Sequence[str] = (),
                   env: Mapping[str, str] | None = None, port: int | None = None,
-                  startup_timeout: float = 60.0) -> ReplicaProcess:
-    """``prefixpin serve`` on a free loopback port; returns once /healthz says every
-    upstream answers (or raises with the log's tail)."""
+                  startup_timeout: float = 60.0,
+                  program: Sequence[str] = (sys.executable, "-m", "proxy.cli"),
+                  ) -> ReplicaProcess:
+    """``prefixpin serve`` on a free loopback port (no upstreams: the embedded engine);
+    returns once /healthz says every engine answers (or raises with the log's tail).
+    ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port)]
+    argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in upstreams:
         argv += ["--upstream", url]
     if redis is not None:
@@ -66,7 +59,7 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
                                    cwd=Path(__file__).resolve().parents[2])
     handle = ReplicaProcess(f"http://127.0.0.1:{port}", port, process, log_path)
     try:
-        _wait_ready(handle, len(upstreams), startup_timeout)
+        _wait_ready(handle, max(1, len(upstreams)), startup_timeout)
     except BaseException:
         handle.stop()
         raise
@@ -83,7 +76,7 @@ def run_replica(upstreams: Sequence[str], log_path: Path, **options: object
         handle.stop()
 
 
-def _wait_ready(handle: ReplicaProcess, n_upstreams: int, timeout: float) -> None:
+def _wait_ready(handle: ReplicaProcess, n_engines: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
@@ -93,7 +86,7 @@ def _wait_ready(handle: ReplicaProcess, n_upstreams: int, timeout: float) -> Non
             response = httpx.get(f"{handle.url}/healthz", timeout=2.0)
             body = response.json()
             upstreams = body.get("upstreams") or [body.get("upstream") or {}]
-            if response.status_code == 200 and len(upstreams) == n_upstreams and all(
+            if response.status_code == 200 and len(upstreams) == n_engines and all(
                     u.get("status") == "ok" for u in upstreams):
                 return
         time.sleep(0.1)

@@ -22,8 +22,9 @@ import pytest
 
 from proxy.cli import main
 from proxy.rig.llama_build import ensure_llama_server
-from proxy.rig.llama_process import LlamaServerProcess, free_port, stop, wait_healthy
+from proxy.rig.llama_process import LlamaServerProcess, stop, wait_healthy
 from proxy.rig.models import ensure_model
+from proxy.testing.servers import free_port
 
 pytestmark = pytest.mark.llama
 

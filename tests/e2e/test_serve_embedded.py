@@ -10,20 +10,17 @@ nothing in the user's cache) differ from the README's command.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from proxy.rig.llama_process import free_port
+from proxy.rig.replica_process import start_replica
 
 pytestmark = [pytest.mark.embedded,
               pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")]
@@ -33,41 +30,21 @@ PREFIXPIN = Path(sys.executable).with_name("prefixpin")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     work = tmp_path_factory.mktemp("serve-embedded")
-    env = {**os.environ, "PREFIXPIN_PARK_DIR": str(work / "park")}
-    log = (work / "serve.log").open("wb")
-    process = subprocess.Popen([str(PREFIXPIN), "serve", "--port", str(port)], env=env,
-                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    handle = start_replica([], work / "serve.log", program=[str(PREFIXPIN)],
+                           env={"PREFIXPIN_PARK_DIR": str(work / "park")},
+                           startup_timeout=180)
     try:
-        _wait_ready(process, url, work / "serve.log")
-        yield url
+        yield handle.url
     finally:
-        process.send_signal(signal.SIGINT)
+        handle.process.send_signal(signal.SIGINT)  # Ctrl-C, as a user stops it
         try:
-            code = process.wait(30)
+            code = handle.process.wait(30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            handle.kill()
             raise
-        finally:
-            log.close()
         # A clean stop, not a crash on the way out.
-        assert code == 0, (work / "serve.log").read_text(errors="replace")[-2000:]
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"prefixpin serve exited: {log.read_text(errors='replace')}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"prefixpin serve not healthy in 180 s: {log.read_text()[-2000:]}")
+        assert code == 0, handle.log_tail()
 
 
 def curl_json(url: str, body: dict[str, Any] | None = None) -> Any:

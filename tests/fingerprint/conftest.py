@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import pytest
 from fingerprint.tokenizer import ModelTokenizer, load_tokenizer
 from proxy.rig.llama_build import ensure_llama_server
 from proxy.rig.models import ensure_model
+from proxy.testing.servers import free_port
 
 RIG_MODELS = ("smollm2", "gemma3")
 
@@ -47,7 +47,7 @@ def smollm() -> ModelTokenizer:
 def llama_server(model_name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real llama-server serving the rig model on a free loopback port."""
     log = tmp_path_factory.mktemp("llama-server") / f"{model_name}.log"
-    port = _free_port()
+    port = free_port()
     model = ensure_model(model_name, quiet=True)
     command = [str(ensure_llama_server(quiet=True)), "-m", str(model), "--host", "127.0.0.1",
                "--port", str(port), "-c", "2048", "-np", "1", "-t", "2"]
@@ -64,13 +64,6 @@ def llama_server(model_name: str, tmp_path_factory: pytest.TempPathFactory) -> I
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
