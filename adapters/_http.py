@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import orjson
 
+from adapters.base import Frame
 from proxy.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -94,3 +95,39 @@ def _json_body(response: httpx.Response, what: str) -> Any:
         return response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamProtocolError(f"{what}: engine sent invalid JSON") from exc
+
+
+T = TypeVar("T")
+
+
+class StreamDecoder(Protocol[T]):
+    """A sans-IO decoder of a streamed body (``proxy.sse.SSEDecoder``,
+    ``proxy.ndjson.NDJSONDecoder``): bytes in, whole items out."""
+
+    def feed(self, chunk: bytes) -> list[T]: ...
+
+    def flush(self) -> list[T]: ...
+
+
+def expect_media_type(what: str, content_type: str | None, media_type: str,
+                      description: str) -> None:
+    """A 200 that is not the stream asked for (an HTML error page from something in between,
+    a JSON body from an engine that ignored ``stream``) is named as such, not parsed."""
+    if content_type is not None and not content_type.startswith(media_type):
+        raise UpstreamProtocolError(f"{what}: engine answered {content_type!r}, "
+                                    f"not {description} ({media_type})")
+
+
+async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
+                         classify: Callable[[T], Frame]) -> AsyncIterator[Frame]:
+    """An engine's streamed body as frames: decoded item by item, each item classified."""
+    with map_httpx_errors(what):
+        async for chunk in response.aiter_bytes():
+            try:
+                items = decoder.feed(chunk)
+            except ValueError as exc:  # an item past the decoder's size limit
+                raise UpstreamProtocolError(f"{what}: {exc}") from exc
+            for item in items:
+                yield classify(item)
+        for item in decoder.flush():
+            yield classify(item)

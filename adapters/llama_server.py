@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 
 from adapters._http import (
+    decoded_frames,
     encode_json,
+    expect_media_type,
     get_json,
     map_httpx_errors,
     post_json,
@@ -31,7 +33,7 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from proxy.errors import UpstreamError, UpstreamProtocolError
+from proxy.errors import UpstreamError
 from proxy.sse import SSEDecoder
 
 # Architectures whose attention is (partly) a sliding window: a rewind deeper than the
@@ -176,27 +178,9 @@ class _LlamaStream:
         with map_httpx_errors(self._what):
             return await self._response.aread()
 
-    async def aiter_frames(self) -> AsyncIterator[Frame]:
-        _expect_event_stream(self._what, self.content_type)
-        decoder = SSEDecoder()
-        with map_httpx_errors(self._what):
-            async for chunk in self._response.aiter_bytes():
-                try:
-                    events = decoder.feed(chunk)
-                except ValueError as exc:  # an event past the decoder's size limit
-                    raise UpstreamProtocolError(f"{self._what}: {exc}") from exc
-                for event in events:
-                    yield classify(event)
-            for event in decoder.flush():
-                yield classify(event)
-
-
-def _expect_event_stream(what: str, content_type: str | None) -> None:
-    """A 200 that is not an event stream (an HTML error page from something in between, a
-    JSON body from an engine that ignored ``stream``) is named as such, not parsed as SSE."""
-    if content_type is not None and not content_type.startswith("text/event-stream"):
-        raise UpstreamProtocolError(f"{what}: engine answered {content_type!r}, "
-                                    "not an event stream (text/event-stream)")
+    def aiter_frames(self) -> AsyncIterator[Frame]:
+        expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
+        return decoded_frames(self._response, self._what, SSEDecoder(), classify)
 
 
 def _header_bytes(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

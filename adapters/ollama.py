@@ -26,7 +26,13 @@ from typing import Any, Literal
 
 import httpx
 
-from adapters._http import encode_json, map_httpx_errors, send_with_stale_retry
+from adapters._http import (
+    decoded_frames,
+    encode_json,
+    expect_media_type,
+    map_httpx_errors,
+    send_with_stale_retry,
+)
 from adapters._openai_sse import classify as classify_sse
 from adapters.base import (
     Capabilities,
@@ -177,39 +183,14 @@ class _OllamaStream:
             self._note_cached_field(frame)
             yield frame
 
-    async def _native_frames(self) -> AsyncIterator[Frame]:
-        self._expect("application/x-ndjson", "an NDJSON stream")
-        decoder = NDJSONDecoder()
-        with map_httpx_errors(self._what):
-            async for chunk in self._response.aiter_bytes():
-                try:
-                    lines = decoder.feed(chunk)
-                except ValueError as exc:
-                    raise UpstreamProtocolError(f"{self._what}: {exc}") from exc
-                for line in lines:
-                    yield classify_native(line)
-            for line in decoder.flush():
-                yield classify_native(line)
+    def _native_frames(self) -> AsyncIterator[Frame]:
+        expect_media_type(self._what, self.content_type, "application/x-ndjson",
+                          "an NDJSON stream")
+        return decoded_frames(self._response, self._what, NDJSONDecoder(), classify_native)
 
-    async def _sse_frames(self) -> AsyncIterator[Frame]:
-        self._expect("text/event-stream", "an event stream")
-        decoder = SSEDecoder()
-        with map_httpx_errors(self._what):
-            async for chunk in self._response.aiter_bytes():
-                try:
-                    events = decoder.feed(chunk)
-                except ValueError as exc:
-                    raise UpstreamProtocolError(f"{self._what}: {exc}") from exc
-                for event in events:
-                    yield classify_openai(event)
-            for event in decoder.flush():
-                yield classify_openai(event)
-
-    def _expect(self, media_type: str, what: str) -> None:
-        content_type = self.content_type
-        if content_type is not None and not content_type.startswith(media_type):
-            raise UpstreamProtocolError(f"{self._what}: engine answered {content_type!r}, "
-                                        f"not {what} ({media_type})")
+    def _sse_frames(self) -> AsyncIterator[Frame]:
+        expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
+        return decoded_frames(self._response, self._what, SSEDecoder(), classify_openai)
 
     def _note_cached_field(self, frame: Frame) -> None:
         """The cached-count fields decide ``measured_cache`` (a source build reports

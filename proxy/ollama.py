@@ -44,14 +44,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from adapters._http import map_httpx_errors
 from proxy.affinity import AffinityPlanner
@@ -59,7 +58,7 @@ from proxy.errors import ProxyError, UpstreamError
 from proxy.figures import Figures
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.passthrough import HOP_BY_HOP, forward
+from proxy.passthrough import forward
 from proxy.placement import Lease
 from proxy.relay import native_error_response
 from proxy.service import CACHED_ESTIMATE, Backend, Outcome, Plan, ProxyService
@@ -255,7 +254,7 @@ async def _lifecycle(service: ProxyService, request: Request, raw: bytes,
     http = service.backend.adapter.http
     model = model_key(body.get("model"))
     loaded = await _is_loaded(http, model)
-    response = await _forward_raw(request, http, raw)
+    response = await forward(request, http, raw)
     planner = service.planner
     if isinstance(planner, OllamaPlanner) and response.status_code < 400:
         if unloads(body.get("keep_alive")):
@@ -276,25 +275,3 @@ async def _is_loaded(http: httpx.AsyncClient, model: str) -> bool:
         return False
     return isinstance(models, list) and any(
         isinstance(m, Mapping) and model in (m.get("name"), m.get("model")) for m in models)
-
-
-async def _forward_raw(request: Request, http: httpx.AsyncClient, raw: bytes) -> Response:
-    headers = [(k, v) for k, v in request.headers.raw
-               if k.decode("latin-1").lower() not in HOP_BY_HOP]
-    upstream = http.build_request(request.method, request.url.path, headers=headers,
-                                  content=raw)
-    with map_httpx_errors(f"{request.method} {request.url.path}"):
-        response = await http.send(upstream, stream=True)
-    return StreamingResponse(
-        _body(response), status_code=response.status_code,
-        headers={k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP},
-        background=BackgroundTask(response.aclose))
-
-
-async def _body(response: httpx.Response) -> AsyncIterator[bytes]:
-    try:
-        with map_httpx_errors("pass-through body"):
-            async for chunk in response.aiter_raw():
-                yield chunk
-    finally:
-        await response.aclose()

@@ -22,13 +22,16 @@ HOP_BY_HOP = frozenset({
 })
 
 
-async def forward(request: Request, http: httpx.AsyncClient) -> StreamingResponse:
+async def forward(request: Request, http: httpx.AsyncClient,
+                  content: bytes | None = None) -> StreamingResponse:
+    """The request as it came (its body streamed, or ``content`` when the caller already
+    read it), and the engine's answer streamed back as it comes."""
     # The raw header bytes: a non-ASCII value (which httpx would refuse as str) goes through.
     headers = [(k, v) for k, v in request.headers.raw
                if k.decode("latin-1").lower() not in HOP_BY_HOP]
     upstream_request = http.build_request(
         request.method, httpx.URL(path=request.url.path, query=request.url.query.encode()),
-        headers=headers, content=_body(request),
+        headers=headers, content=_body(request) if content is None else content,
     )
     with map_httpx_errors(f"{request.method} {request.url.path}"):
         response = await http.send(upstream_request, stream=True)
