@@ -59,7 +59,7 @@ def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list
         name, _, url = spec.partition("=")
         arms.append(Arm(name, engine_url if url in ("", "engine") else url.rstrip("/")))
     served = [(spec, False) for spec in args.serve_arm]
-    served += [(spec, True) for spec in getattr(args, "embedded_arm", [])]
+    served += [(spec, True) for spec in args.embedded_arm]
     for spec, embedded in served:
         name, _, env_spec = spec.partition(":")
         env = dict(item.split("=", 1) for item in env_spec.split(",") if item)

@@ -253,7 +253,7 @@ def _check_message(index: int, message: object) -> None:
         raise BadRequestError(f"'{where}.role' must be one of {sorted(KNOWN_ROLES)}, "
                               f"got {role!r}", param=f"{where}.role")
     content = message.get("content")
-    if content is not None and type(content) is not str:
+    if content is not None and not isinstance(content, str):
         _check_content_parts(f"messages[{index}]", content)
     for name in MESSAGE_STRING_FIELDS:
         value = message.get(name)
@@ -266,8 +266,6 @@ def _check_message(index: int, message: object) -> None:
 
 
 def _check_content_parts(where: str, content: object) -> None:
-    if isinstance(content, str):
-        return
     if not isinstance(content, list):
         raise BadRequestError(f"'{where}.content' must be a string, an array of parts or null",
                               param=f"{where}.content")
