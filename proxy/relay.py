@@ -19,9 +19,10 @@ from Ollama itself (padding would break ollama-python's parse of an error body).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -94,32 +95,46 @@ async def _sse_body(subscriber: Subscriber, client: ClientRequest, heartbeat_s: 
                     fill_cached: bool = True) -> AsyncIterator[bytes]:
     generation = subscriber.generation
     view = ClientView(client, generation, fill_cached=fill_cached)
+
+    def encode(frames: Sequence[Frame]) -> bytes:
+        return b"".join(part for part in map(view.bytes_for, frames) if part)
+
     try:
         yield encode_comment("prefixpin")
-        last_sent = time.monotonic()
-        while True:
-            wait = max(0.0, heartbeat_s - (time.monotonic() - last_sent))
-            try:
-                frame = await subscriber.next_frame(wait)
-            except StopAsyncIteration:
-                break
-            if frame is None:
-                on_heartbeat()
-                yield encode_comment(heartbeat_text(generation.progress, generation))
-                last_sent = time.monotonic()
-                continue
-            # Frames the engine sent while this client was busy go out in one write.
-            parts = [view.bytes_for(f) for f in (frame, *subscriber.take_ready(BATCH_FRAMES))]
-            out = b"".join(part for part in parts if part)
-            if out:
+        paced = _paced(subscriber, heartbeat_s, on_heartbeat, encode, lambda: (
+            encode_comment(heartbeat_text(generation.progress, generation))))
+        async with contextlib.aclosing(paced):  # closed with this body, however it ends
+            async for out in paced:
                 yield out
-                last_sent = time.monotonic()
         if tail := view.flush():
             yield tail
         if generation.error is not None and not generation.completed:
             yield error_event(generation.error)
     finally:
         subscriber.close()
+
+
+async def _paced(subscriber: Subscriber, heartbeat_s: float, on_heartbeat: Callable[[], None],
+                 encode: Callable[[Sequence[Frame]], bytes],
+                 heartbeat: Callable[[], bytes]) -> AsyncGenerator[bytes, None]:
+    """A client's bytes until its generation ends: frames as they come (those produced while
+    the client was busy in one write), a heartbeat after ``heartbeat_s`` of silence."""
+    last_sent = time.monotonic()
+    while True:
+        wait = max(0.0, heartbeat_s - (time.monotonic() - last_sent))
+        try:
+            frame = await subscriber.next_frame(wait)
+        except StopAsyncIteration:
+            return
+        if frame is None:
+            on_heartbeat()
+            yield heartbeat()
+            last_sent = time.monotonic()
+            continue
+        out = encode((frame, *subscriber.take_ready(BATCH_FRAMES)))
+        if out:
+            yield out
+            last_sent = time.monotonic()
 
 
 class ClientView:
@@ -283,25 +298,16 @@ async def _ndjson_body(subscriber: Subscriber, heartbeat_s: float,
                        on_heartbeat: Callable[[], None]) -> AsyncIterator[bytes]:
     """Ollama's lines as they came, with spaces before them while Ollama is silent."""
     generation = subscriber.generation
+
+    def encode(frames: Sequence[Frame]) -> bytes:
+        return b"".join(f.raw for f in frames if f.kind in (FrameKind.CHUNK, FrameKind.DONE))
+
     try:
         yield KEEPALIVE
-        last_sent = time.monotonic()
-        while True:
-            wait = max(0.0, heartbeat_s - (time.monotonic() - last_sent))
-            try:
-                frame = await subscriber.next_frame(wait)
-            except StopAsyncIteration:
-                break
-            if frame is None:
-                on_heartbeat()
-                yield KEEPALIVE
-                last_sent = time.monotonic()
-                continue
-            frames = (frame, *subscriber.take_ready(BATCH_FRAMES))
-            out = b"".join(f.raw for f in frames if f.kind in (FrameKind.CHUNK, FrameKind.DONE))
-            if out:
+        paced = _paced(subscriber, heartbeat_s, on_heartbeat, encode, lambda: KEEPALIVE)
+        async with contextlib.aclosing(paced):  # closed with this body, however it ends
+            async for out in paced:
                 yield out
-                last_sent = time.monotonic()
         if generation.error is not None and not generation.completed:
             yield error_line(generation.error.message)
     finally:
