@@ -30,6 +30,7 @@ from proxy.rig.models import ensure_model
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread
+from tests.reporting import print_uncaptured
 
 SECRET = "sk-canary-4f1d9b7e2c0a"  # every request's bearer token: must never be logged
 AUTH = {"authorization": f"Bearer {SECRET}"}
@@ -99,10 +100,7 @@ def report(request: pytest.FixtureRequest, served: Served) -> Iterator[None]:
     summary = (f"\nbad-input corpus: {STATS['inputs']} inputs tried; "
                f"{dict(sorted((k, v) for k, v in STATS.items() if k != 'inputs'))}; "
                f"{len(lines)} log records checked for the bearer token")
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        with capture.global_and_fixture_disabled():
-            print(summary)
+    print_uncaptured(request, summary)
     leaked = [line for line in lines if SECRET in line]
     assert not leaked, leaked[:3]
     crashes = [line for line, record in zip(lines, served.logs.records, strict=True)

@@ -36,6 +36,7 @@ from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread
 from proxy.testing.tcp_tap import TcpTap, run_tap
+from tests.reporting import print_uncaptured
 
 pytestmark = pytest.mark.anyio
 
@@ -157,10 +158,7 @@ def no_unexpected_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 def print_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     """The counts in the test output (past pytest's capture), as the issue asks."""
     yield
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        with capture.global_and_fixture_disabled():
-            print(f"\nfault suite (in process): {dict(sorted(COUNTS.items()))}")
+    print_uncaptured(request, f"\nfault suite (in process): {dict(sorted(COUNTS.items()))}")
 
 
 async def wait_until(predicate: Callable[[], bool]) -> None:

@@ -29,6 +29,7 @@ from proxy.settings import Settings
 from proxy.testing.servers import serve_in_thread
 from proxy.testing.tcp_tap import run_tap
 from tests.e2e.helpers import filler
+from tests.reporting import print_uncaptured
 
 pytestmark = pytest.mark.llama
 
@@ -47,10 +48,7 @@ def engine() -> Iterator[LlamaServerProcess]:
 @pytest.fixture(scope="module", autouse=True)
 def print_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        with capture.global_and_fixture_disabled():
-            print(f"\nfault suite (llama-server): {dict(sorted(COUNTS.items()))}")
+    print_uncaptured(request, f"\nfault suite (llama-server): {dict(sorted(COUNTS.items()))}")
 
 
 @contextmanager
