@@ -43,7 +43,7 @@ from proxy.service import Backend, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
 from proxy.tokens import TokenCounter
-from proxy.watch import EngineWatch, RestartHook, probe
+from proxy.watch import EngineWatch, RestartHook, probe, probe_until_ready
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -224,23 +224,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 async def _start_policies(settings: Settings, service: ProxyService, store: SessionStore,
                           logger: logging.Logger, first_probe: asyncio.Event) -> None:
     """Probe the engine until it answers, switch on what it supports, then watch it."""
-    backend, metrics = service.backend, service.metrics
-    while True:
-        try:
-            backend.info = await probe(backend.adapter, settings.probe_timeout_s)
-            break
-        except UpstreamError as exc:
-            metrics.upstream_up.labels(backend.label).set(0)
-            log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
-                      error=exc.message)
-            first_probe.set()
-            await _redetect(settings, backend, logger)
-            await asyncio.sleep(2.0)
-    metrics.upstream_up.labels(backend.label).set(1)
-    info = backend.info
-    log_event(logger, logging.INFO, "upstream ready", upstream=backend.label,
-              engine=info.engine, model=info.model, slots=info.n_slots,
-              n_ctx_slot=info.n_ctx_slot, build=info.build)
+    backend = service.backend
+
+    async def not_ready() -> None:
+        first_probe.set()  # serve (and fail) meanwhile
+        await _redetect(settings, backend, logger)
+
+    info = await probe_until_ready(service, settings.probe_timeout_s, logger, not_ready)
     watch = EngineWatch(service, settings.health_interval_s, logger)
     service.on_upstream_lost = watch.suspect
     if not settings.affinity:

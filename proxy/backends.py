@@ -45,7 +45,7 @@ from starlette.responses import Response
 from adapters.base import EngineInfo
 from adapters.llama_server import LlamaServerAdapter
 from proxy.affinity import AffinityPlanner
-from proxy.errors import ProxyError, UpstreamError
+from proxy.errors import ProxyError
 from proxy.history import digest
 from proxy.identity import explicit_identity, namespace_of
 from proxy.implicit import Fingerprinter, load_fingerprinter
@@ -58,7 +58,7 @@ from proxy.service import Backend, Outcome, Plan, Planner, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
 from proxy.validation import ClientRequest, Endpoint, parse_request, read_body
-from proxy.watch import EngineWatch, probe
+from proxy.watch import EngineWatch, probe_until_ready
 
 PLACEMENT_STATE = "prefixpin_placement"  # request.state attribute the lane planner reads
 MIN_WEIGHT_SHARE = 0.05
@@ -454,23 +454,14 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
 async def _run_lane(router: Router, lane: Lane, shared_sessions: Any | None,
                     repairer: RepairerFactory) -> None:
     """Probe the lane's engine until it answers, switch affinity on, then watch it."""
-    settings, logger, metrics = router.settings, router.log, router.metrics
+    settings, logger = router.settings, router.log
     backend = lane.service.backend
-    while True:
-        try:
-            backend.info = await probe(backend.adapter, settings.probe_timeout_s)
-            break
-        except UpstreamError as exc:
-            metrics.upstream_up.labels(lane.label).set(0)
-            log_event(logger, logging.WARNING, "upstream not ready", upstream=lane.label,
-                      error=exc.message)
-            if all(not ln.ready for ln in router.lanes):
-                router.first_probe.set()  # nothing answers yet: serve (and fail) anyway
-            await asyncio.sleep(2.0)
-    info = backend.info
-    metrics.upstream_up.labels(lane.label).set(1)
-    log_event(logger, logging.INFO, "upstream ready", upstream=lane.label, engine=info.engine,
-              model=info.model, slots=info.n_slots, n_ctx_slot=info.n_ctx_slot)
+
+    def not_ready() -> None:
+        if all(not ln.ready for ln in router.lanes):
+            router.first_probe.set()  # nothing answers yet: serve (and fail) anyway
+
+    info = await probe_until_ready(lane.service, settings.probe_timeout_s, logger, not_ready)
     watch = EngineWatch(lane.service, settings.health_interval_s, logger)
     lane.watch = watch
     lane.service.on_upstream_lost = watch.suspect

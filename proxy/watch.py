@@ -43,6 +43,30 @@ async def probe(adapter: Adapter, timeout_s: float) -> EngineInfo:
                                    "(PREFIXPIN_PROBE_TIMEOUT_S)") from None
 
 
+async def probe_until_ready(service: ProxyService, timeout_s: float, logger: logging.Logger,
+                            on_failure: Callable[[], Awaitable[None] | None]) -> EngineInfo:
+    """Probe the service's engine every 2 s until it answers (``on_failure`` after each
+    miss); its info is then the backend's, and the up gauge and the log say so."""
+    backend, metrics = service.backend, service.metrics
+    while True:
+        try:
+            backend.info = await probe(backend.adapter, timeout_s)
+            break
+        except UpstreamError as exc:
+            metrics.upstream_up.labels(backend.label).set(0)
+            log_event(logger, logging.WARNING, "upstream not ready", upstream=backend.label,
+                      error=exc.message)
+            if (pending := on_failure()) is not None:
+                await pending
+            await asyncio.sleep(2.0)
+    metrics.upstream_up.labels(backend.label).set(1)
+    info = backend.info
+    log_event(logger, logging.INFO, "upstream ready", upstream=backend.label,
+              engine=info.engine, model=info.model, slots=info.n_slots,
+              n_ctx_slot=info.n_ctx_slot, build=info.build)
+    return info
+
+
 class EngineWatch:
     def __init__(self, service: ProxyService, interval_s: float, logger: logging.Logger, *,
                  on_restart: list[RestartHook] | None = None,
