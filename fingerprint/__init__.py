@@ -18,21 +18,26 @@ from fingerprint.chain import (
     start_chain,
 )
 from fingerprint.messages import (
+    CHECKPOINT_EVERY,
     TOOL_RESULT_CHARS,
     CacheStats,
+    ChainMemo,
     Encoder,
     Markers,
     MessageTokenCache,
     chain_for_messages,
     fingerprint_view,
+    prefix_keys,
 )
 
 __all__ = [
+    "CHECKPOINT_EVERY",
     "DEFAULT_BAR",
     "DEFAULT_EDGE",
     "TOOL_RESULT_CHARS",
     "CacheStats",
     "Chain",
+    "ChainMemo",
     "Edges",
     "Encoder",
     "Markers",
@@ -42,6 +47,7 @@ __all__ = [
     "extend",
     "fingerprint_view",
     "nominates",
+    "prefix_keys",
     "segment_bounds",
     "shared_leading",
     "start_chain",

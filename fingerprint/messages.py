@@ -17,7 +17,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,13 +26,16 @@ from blake3 import blake3
 from fingerprint.chain import DEFAULT_EDGE, Chain, extend, start_chain
 
 __all__ = [
+    "CHECKPOINT_EVERY",
     "TOOL_RESULT_CHARS",
     "CacheStats",
+    "ChainMemo",
     "Encoder",
     "Markers",
     "MessageTokenCache",
     "chain_for_messages",
     "fingerprint_view",
+    "prefix_keys",
 ]
 
 # Agents trim old tool results (a sliding window cuts them to 400 chars): a view that
@@ -117,11 +120,15 @@ class MessageTokenCache:
     def cached_tokens(self) -> int:
         return self._tokens
 
-    def tokens(self, text: str, encoder: Encoder) -> array[int]:
-        """The token ids of ``text``, from the cache or from ``encoder``."""
+    def tokens(self, text: str, encoder: Encoder, scope: bytes = b"") -> array[int]:
+        """The token ids of ``text``, from the cache or from ``encoder``.
+
+        Entries are found only in the ``scope`` they were stored in (the proxy's tenant):
+        how fast a text is fingerprinted tells nobody what another tenant sent.
+        """
         # JSON can carry lone surrogates, which no tokenizer accepts: they become "?".
         data = text.encode("utf-8", "replace")
-        key = blake3(data).digest()
+        key = blake3(_scoped(scope) + data).digest()
         with self._lock:
             run = self._runs.get(key)
             if run is not None:
@@ -155,15 +162,95 @@ def chain_for_messages(
     markers: Markers,
     *,
     edge: int = DEFAULT_EDGE,
+    base: Chain | None = None,
+    scope: bytes = b"",
 ) -> Chain:
-    """The fingerprint chain of a chat request's messages.
+    """The fingerprint chain of a chat request's messages (after ``base``'s, if given).
 
     Equal to hashing the concatenated wrapped views in one piece, since each run starts
-    with an opener; only messages the cache has not seen are tokenized.
+    with an opener; only messages the cache has not seen (in ``scope``) are tokenized.
     """
-    runs = [cache.tokens(markers.wrap(fingerprint_view(message)), encoder)
+    runs = [cache.tokens(markers.wrap(fingerprint_view(message)), encoder, scope)
             for message in messages]
-    return extend(start_chain(markers.openers, edge), *runs)
+    return extend(base if base is not None else start_chain(markers.openers, edge), *runs)
+
+
+# Chains are memoised at every CHECKPOINT_EVERY-th message as well as at the end of each
+# request: a client that rewrites message 40 of 64 still finds the chain of its first 32.
+CHECKPOINT_EVERY = 16
+
+_PREFIX_DOMAIN = b"prefixpin.fingerprint.prefix.v1"
+
+
+def prefix_keys(digests: Sequence[bytes], scope: bytes = b"") -> list[bytes]:
+    """One key per message prefix: ``keys[i]`` commits to ``scope`` and ``digests[0..i]``.
+
+    ``digests`` are per-message digests of the bytes the client sent (any collision-
+    resistant digest): equal keys mean equal message prefixes in the same scope.
+    """
+    keys: list[bytes] = []
+    previous = blake3(_PREFIX_DOMAIN + _scoped(scope)).digest()
+    for message_digest in digests:
+        previous = blake3(previous + message_digest).digest()
+        keys.append(previous)
+    return keys
+
+
+class ChainMemo:
+    """Chains of message prefixes already computed, keyed by :func:`prefix_keys`.
+
+    An agent resends its whole history every turn: the chain of the longest prefix seen
+    before is extended by the new messages only, so a 64-message conversation costs what
+    its last turn added, not 64 fingerprint views. A memo belongs to one tokenizer, one
+    set of markers and one normalisation of the messages (the key is the client's bytes
+    and its scope). A bounded LRU; safe to share between threads.
+    """
+
+    def __init__(self, max_entries: int = 2048) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.max_entries = max_entries
+        self._chains: OrderedDict[bytes, Chain] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def longest(self, keys: Sequence[bytes]) -> tuple[int, Chain | None]:
+        """How many leading messages the longest memoised prefix covers, and its chain."""
+        with self._lock:
+            for covered in range(len(keys), 0, -1):
+                chain = self._chains.get(keys[covered - 1])
+                if chain is not None:
+                    self._chains.move_to_end(keys[covered - 1])
+                    return covered, chain
+        return 0, None
+
+    def put(self, key: bytes, chain: Chain) -> None:
+        with self._lock:
+            self._chains[key] = chain
+            self._chains.move_to_end(key)
+            while len(self._chains) > self.max_entries:
+                self._chains.popitem(last=False)
+
+    def extend(self, keys: Sequence[bytes], covered: int, chain: Chain,
+               messages: Sequence[Mapping[str, object]], encoder: Encoder,
+               cache: MessageTokenCache, markers: Markers, scope: bytes = b"") -> Chain:
+        """``chain`` (of the first ``covered`` messages) extended by ``messages``, the rest
+        of the request, memoising checkpoints and the whole request's chain on the way;
+        ``scope``: that of the keys, for the token cache."""
+        last = covered + len(messages) - 1
+        for index, message in enumerate(messages, start=covered):
+            chain = chain_for_messages((message,), encoder, cache, markers, base=chain,
+                                       scope=scope)
+            if (index + 1) % CHECKPOINT_EVERY == 0 or index == last:
+                self.put(keys[index], chain)
+        return chain
+
+
+def _scoped(scope: bytes) -> bytes:
+    # Length-prefixed, so no scope and text can run into another scope's text.
+    return len(scope).to_bytes(4, "little") + scope
 
 
 def _visible_text(content: object) -> str:

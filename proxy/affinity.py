@@ -181,8 +181,9 @@ class AffinityPlanner:
                       identity: ExplicitIdentity | None, backend: Backend,
                       digests: Sequence[bytes]) -> Decision:
         body = client.body
-        messages: Sequence[Mapping[str, Any]] = body.get("messages") or []
-        chain = await self._chain(client, messages)
+        # A named session is found by its key alone (it never matches an unnamed one, nor
+        # the reverse): only a request without a key needs its fingerprint.
+        chain = await self._chain(client, namespace, digests) if identity is None else None
         tier: Tier
         if identity is not None:
             tier, candidates = "explicit", self.store.with_key(namespace, identity.key)
@@ -273,17 +274,21 @@ class AffinityPlanner:
             return False
         return bool(before) and after.startswith(before) and after != before
 
-    async def _chain(self, client: ClientRequest, messages: Sequence[Mapping[str, Any]]
+    async def _chain(self, client: ClientRequest, namespace: str, digests: Sequence[bytes]
                      ) -> Chain | None:
         if self.fingerprinter is None:
             return None
         if client.endpoint == "chat":
-            if self.repairer is not None:
-                messages = self.repairer.normalize_for_identity(messages)
-            return await self.fingerprinter.chain_of_messages(messages)
+            return await self.fingerprinter.chain_of_messages(
+                client.body.get("messages") or [], digests, self._normalize_for_identity,
+                namespace)
         prompt = client.body.get("prompt")
         return await self.fingerprinter.chain_of_prompt(prompt) if isinstance(prompt,
                                                                               str) else None
+
+    def _normalize_for_identity(self, messages: Sequence[Mapping[str, Any]]
+                                ) -> Sequence[Mapping[str, Any]]:
+        return self.repairer.normalize_for_identity(messages) if self.repairer else messages
 
     def _nominated(self, namespace: str, chain: Chain | None, digests: Sequence[bytes],
                    prompt: object) -> list[Session]:

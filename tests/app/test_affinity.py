@@ -9,6 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.affinity import AffinityPlanner
+from proxy.app import create_app
+from proxy.asgi_transport import StreamingASGITransport
+from proxy.rig.models import ensure_model
+from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
 
@@ -139,3 +144,27 @@ async def test_decisions_are_counted_by_tier_and_outcome() -> None:
     assert 'prefixpin_affinity_decisions_total{outcome="new",tier="explicit"} 1.0' in text
     assert 'prefixpin_affinity_decisions_total{outcome="resumed",tier="explicit"} 1.0' in text
     assert 'prefixpin_affinity_declines_total{cause="edited"} 1.0' in text
+
+
+async def test_only_keyless_requests_are_fingerprinted() -> None:
+    """A named session is found by its key alone, so a keyed request never pays for the
+    fingerprint (tokenizing a long history); a keyless one is fingerprinted, and its
+    resend costs no tokenization at all (the memo of prefix chains)."""
+    engine = FakeLlamaServer()
+    app = create_app(Settings(upstream="http://fake-llama", tokenizer=ensure_model("smollm2")),
+                     transport=StreamingASGITransport(engine.app()))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=StreamingASGITransport(app), base_url="http://proxy") as client:
+        planner = app.state.prefixpin.service.planner
+        assert isinstance(planner, AffinityPlanner)
+        assert planner.fingerprinter is not None
+        stats = planner.fingerprinter.cache.stats
+        await ask(client, conversation("A", 3), {"x-session-id": "A"})
+        await ask(client, conversation("A", 4), {"x-session-id": "A"})
+        assert (stats.hits, stats.misses, len(planner.fingerprinter.memo)) == (0, 0, 0)
+        await ask(client, conversation("B", 3))
+        misses = stats.misses
+        assert misses == len(conversation("B", 3))  # each message tokenized once
+        body = await ask(client, conversation("B", 3))
+        assert stats.misses == misses
+    assert cached(body) > 0

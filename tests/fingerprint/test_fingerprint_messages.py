@@ -10,14 +10,18 @@ import pytest
 
 from fingerprint.chain import Chain, chain, nominates, shared_leading
 from fingerprint.messages import (
+    CHECKPOINT_EVERY,
     TOOL_RESULT_CHARS,
+    ChainMemo,
     Encoder,
     Markers,
     MessageTokenCache,
     chain_for_messages,
     fingerprint_view,
+    prefix_keys,
 )
 from fingerprint.tokenizer import ModelTokenizer, markers_for
+from proxy.history import digest
 
 Message = dict[str, Any]
 
@@ -317,3 +321,108 @@ def test_a_long_conversation_tokenizes_only_its_new_messages(tokenizer: ModelTok
     warm = chain_for_messages(messages, tokenizer, cache, markers)
     assert cache.stats.misses == misses + 1
     assert warm == fingerprint(messages, tokenizer, markers)
+
+
+# -- the memo of prefix chains -----------------------------------------------------------
+
+def long_conversation(turns: int) -> list[Message]:
+    """``turns`` user/assistant exchanges after the agent conversation."""
+    messages = agent_conversation()
+    for turn in range(turns):
+        messages.append({"role": "assistant", "content": f"Done step {turn}."})
+        messages.append({"role": "user", "content": f"Now do step {turn + 1} of the plan."})
+    return messages
+
+
+def keys_of(messages: list[Message]) -> list[bytes]:
+    return prefix_keys([digest(m) for m in messages])
+
+
+def test_prefix_keys_commit_to_every_message_before_them() -> None:
+    """keys[i] changes when any message up to i changes, and only then."""
+    messages = agent_conversation()
+    keys = keys_of(messages)
+    assert len(keys) == len(messages) == len(set(keys))
+    edited = copy.deepcopy(messages)
+    edited[2]["content"] = "edited"
+    changed = keys_of(edited)
+    assert changed[:2] == keys[:2]
+    assert all(a != b for a, b in zip(changed[2:], keys[2:], strict=True))
+    assert prefix_keys([]) == []
+    digests = [digest(m) for m in messages]
+    scoped = prefix_keys(digests, b"tenant")
+    assert scoped == prefix_keys(digests, b"tenant")
+    assert not set(scoped) & set(keys)
+    assert not set(scoped) & set(prefix_keys(digests, b"tenan"))
+
+
+def test_the_token_cache_keeps_scopes_apart(smollm: ModelTokenizer) -> None:
+    cache = MessageTokenCache()
+    first = cache.tokens("hello", smollm, b"a")
+    assert cache.tokens("hello", smollm, b"b") == first
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)
+    cache.tokens("hello", smollm, b"a")
+    assert cache.stats.hits == 1
+
+
+def test_memo_extends_the_longest_known_prefix_to_the_whole_chain(
+        tokenizer: ModelTokenizer, markers: Markers) -> None:
+    """A resent history with new messages is extended from the chain memoised for the last
+    request: equal to the chain computed whole, tokenizing only the new messages."""
+    memo, cache = ChainMemo(), MessageTokenCache()
+    messages = long_conversation(20)
+    first, later = messages[:-3], messages
+    keys = keys_of(later)
+    assert memo.longest(keys) == (0, None)
+    start = chain_for_messages([], tokenizer, cache, markers)
+    memo.extend(keys, 0, start, first, tokenizer, cache, markers)
+    covered, known = memo.longest(keys)
+    assert covered == len(first)
+    assert known == fingerprint(first, tokenizer, markers)
+    misses = cache.stats.misses
+    whole = memo.extend(keys, covered, known, later[covered:], tokenizer, cache, markers)
+    assert whole == fingerprint(later, tokenizer, markers)
+    assert cache.stats.misses == misses + 3
+    assert memo.longest(keys) == (len(later), whole)
+
+
+def test_memo_keeps_checkpoints_so_an_edit_costs_only_the_rest(
+        tokenizer: ModelTokenizer, markers: Markers) -> None:
+    """A client that rewrites a message deep in its history still finds the chain of the
+    last checkpoint before the edit; the chain it gets is the one computed whole."""
+    memo, cache = ChainMemo(), MessageTokenCache()
+    messages = long_conversation(2 * CHECKPOINT_EVERY)
+    keys = keys_of(messages)
+    start = chain_for_messages([], tokenizer, cache, markers)
+    memo.extend(keys, 0, start, messages, tokenizer, cache, markers)
+    assert len(memo) == len(messages) // CHECKPOINT_EVERY + 1
+    edited = copy.deepcopy(messages)
+    at = CHECKPOINT_EVERY + 5
+    edited[at]["content"] += " (edited)"
+    edited_keys = keys_of(edited)
+    covered, known = memo.longest(edited_keys)
+    assert covered == CHECKPOINT_EVERY
+    assert known == fingerprint(messages[:CHECKPOINT_EVERY], tokenizer, markers)
+    assert known is not None
+    rebuilt = memo.extend(edited_keys, covered, known, edited[covered:], tokenizer, cache,
+                          markers)
+    assert rebuilt == fingerprint(edited, tokenizer, markers)
+    assert shared_leading(rebuilt, fingerprint(messages, tokenizer, markers)) == at
+
+
+def test_memo_is_a_bounded_lru(smollm: ModelTokenizer) -> None:
+    markers = markers_for(smollm)
+    assert markers is not None
+    memo, cache = ChainMemo(max_entries=2), MessageTokenCache()
+    start = chain_for_messages([], smollm, cache, markers)
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+    keys = [keys_of(c) for c in conversations]
+    memo.extend(keys[0], 0, start, conversations[0], smollm, cache, markers)
+    memo.extend(keys[1], 0, start, conversations[1], smollm, cache, markers)
+    assert memo.longest(keys[0])[0] == 1  # used: now the most recent
+    memo.extend(keys[2], 0, start, conversations[2], smollm, cache, markers)
+    assert len(memo) == 2
+    assert memo.longest(keys[1]) == (0, None)
+    assert memo.longest(keys[0])[0] == memo.longest(keys[2])[0] == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        ChainMemo(max_entries=0)
