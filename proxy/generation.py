@@ -46,11 +46,17 @@ class Timeline:
 
 
 class Generation:
+    """``on_settled`` runs once, when the answer is settled: as soon as the engine's answer
+    is complete, right after the clients wrote their last bytes and before any of them can
+    act on those (so what it records, a session's committed history, is in place before a
+    client can send its next turn), else when the generation finishes without one (an
+    error, every client gone)."""
+
     def __init__(self, opener: Opener, *, grace_s: float,
-                 on_finish: Callable[[Generation], None] | None = None) -> None:
+                 on_settled: Callable[[Generation], None] | None = None) -> None:
         self._opener = opener
         self._grace_s = grace_s
-        self._on_finish = on_finish
+        self._on_settled = on_settled
         self.frames: list[Frame] = []
         self.head: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
         self.error: ProxyError | None = None
@@ -64,6 +70,12 @@ class Generation:
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._done_callbacks: list[Callable[[Generation], None]] = []
+
+    @property
+    def answered(self) -> bool:
+        """Nothing more will reach a client: the answer is complete, or the generation
+        ended without one."""
+        return self.completed or self.finished
 
     def on_done(self, callback: Callable[[Generation], None]) -> None:
         """Run ``callback`` when the generation finishes (after the figures are recorded)."""
@@ -79,8 +91,8 @@ class Generation:
             self._grace_handle = None
         return Subscriber(self)
 
-    async def wait_finished(self) -> None:
-        while not self.finished:
+    async def wait_answered(self) -> None:
+        while not self.answered:
             await self.changed().wait()
 
     async def aclose(self) -> None:
@@ -91,8 +103,8 @@ class Generation:
 
     def _unsubscribe(self) -> None:
         self._subscribers -= 1
-        if self._subscribers > 0 or self.finished or self._task is None:
-            return
+        if self._subscribers > 0 or self.answered or self._task is None:
+            return  # a complete answer is read to its end: its connection is reused
         if self._grace_s <= 0:
             self._task.cancel()
         else:
@@ -140,9 +152,11 @@ class Generation:
             if frame.kind is FrameKind.DONE:
                 self.completed = True
                 self._notify()
-                # Let the clients write their last event before this task reads the body's
-                # end, releases the slot and records the request: that bookkeeping is not
-                # on their latency.
+                # The clients write their last bytes first, then the answer is settled (the
+                # session's history committed) in the same turn of the loop: before any
+                # client can have read those bytes and sent its next turn. Reading the
+                # body's end and releasing the slot come after, off their latency too.
+                asyncio.get_running_loop().call_soon(self._settle)
                 await asyncio.sleep(0)
         if not self.completed:
             # A stream that ends without [DONE] was cut off: never pretend it completed.
@@ -177,11 +191,15 @@ class Generation:
         self.timeline.finished = time.monotonic()
         if self._grace_handle is not None:
             self._grace_handle.cancel()
+        self._settle()
         self._notify()
-        if self._on_finish is not None:
-            self._on_finish(self)
         for callback in self._done_callbacks:
             callback(self)
+
+    def _settle(self) -> None:
+        settled, self._on_settled = self._on_settled, None
+        if settled is not None:
+            settled(self)
 
 
 class Subscriber:
@@ -197,7 +215,7 @@ class Subscriber:
         generation = self.generation
         deadline = time.monotonic() + wait_s
         while self.position >= len(generation.frames):
-            if generation.finished:
+            if generation.answered:
                 raise StopAsyncIteration
             remaining = deadline - time.monotonic()
             if remaining <= 0:

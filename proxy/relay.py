@@ -22,11 +22,11 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from adapters.base import Frame, FrameKind, Progress
 from proxy.aggregate import aggregate
@@ -43,6 +43,7 @@ from proxy.ndjson import (
     fold_generate,
 )
 from proxy.sse import encode_comment, encode_data
+from proxy.streaming import StreamResponse
 from proxy.validation import ClientRequest
 
 BATCH_FRAMES = 256
@@ -67,7 +68,7 @@ async def respond(request: Request, client: ClientRequest, generation: Generatio
                 subscriber.close()
                 return error_response(early_error)
             body = _sse_body(subscriber, client, heartbeat_s, on_heartbeat, fill_cached)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         return await _json_response(request, subscriber, client, fill_cached)
     except BaseException:
         subscriber.close()
@@ -83,16 +84,15 @@ async def _early_error(generation: Generation, arrival: float,
     budget = first_byte_s * 0.6 - (time.monotonic() - arrival)
     if budget <= 0:
         return None
-    try:
-        head = await asyncio.wait_for(asyncio.shield(generation.head), budget)
-    except TimeoutError:
-        return None
-    return head.error
+    # asyncio.wait leaves the future alone on timeout (no shield needed) and wakes this
+    # task straight from its callback, without wait_for's extra hops through the loop.
+    done, _ = await asyncio.wait((generation.head,), timeout=budget)
+    return generation.head.result().error if done else None
 
 
 async def _sse_body(subscriber: Subscriber, client: ClientRequest, heartbeat_s: float,
                     on_heartbeat: Callable[[], None],
-                    fill_cached: bool = True) -> AsyncIterator[bytes]:
+                    fill_cached: bool = True) -> AsyncGenerator[bytes, None]:
     generation = subscriber.generation
     view = ClientView(client, generation, fill_cached=fill_cached)
 
@@ -210,10 +210,10 @@ async def _json_response(request: Request, subscriber: Subscriber,
                          client: ClientRequest, fill_cached: bool = True) -> Response:
     generation = subscriber.generation
     try:
-        finished = await _finished_or_disconnected(request, generation)
+        answered = await _answered_or_disconnected(request, generation)
     finally:
         subscriber.close()
-    if not finished:
+    if not answered:
         return Response(status_code=499)  # nobody is listening; nothing to send
     if generation.error is not None and not generation.completed:
         return error_response(generation.error)
@@ -222,18 +222,18 @@ async def _json_response(request: Request, subscriber: Subscriber,
     return JSONResponse(body)
 
 
-async def _finished_or_disconnected(request: Request, generation: Generation) -> bool:
-    """Wait for the generation; False if the client disconnected first."""
-    finished = asyncio.ensure_future(generation.wait_finished())
+async def _answered_or_disconnected(request: Request, generation: Generation) -> bool:
+    """Wait for the generation's answer; False if the client disconnected first."""
+    answered = asyncio.ensure_future(generation.wait_answered())
     disconnected = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        done, _ = await asyncio.wait({finished, disconnected},
+        done, _ = await asyncio.wait({answered, disconnected},
                                      return_when=asyncio.FIRST_COMPLETED)
-        return finished in done
+        return answered in done
     finally:
-        for task in (finished, disconnected):
+        for task in (answered, disconnected):
             task.cancel()
-        await asyncio.gather(finished, disconnected, return_exceptions=True)
+        await asyncio.gather(answered, disconnected, return_exceptions=True)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -279,12 +279,12 @@ async def _native_response(request: Request, subscriber: Subscriber, client: Cli
             subscriber.close()
             return native_error_response(early_error)
         body = _ndjson_body(subscriber, heartbeat_s, on_heartbeat)
-        return StreamingResponse(body, media_type=NDJSON_MEDIA_TYPE, headers=NDJSON_HEADERS)
+        return StreamResponse(body, media_type=NDJSON_MEDIA_TYPE, headers=NDJSON_HEADERS)
     try:
-        finished = await _finished_or_disconnected(request, generation)
+        answered = await _answered_or_disconnected(request, generation)
     finally:
         subscriber.close()
-    if not finished:
+    if not answered:
         return Response(status_code=499)
     if generation.error is not None and not generation.completed:
         return native_error_response(generation.error)
@@ -295,7 +295,7 @@ async def _native_response(request: Request, subscriber: Subscriber, client: Cli
 
 
 async def _ndjson_body(subscriber: Subscriber, heartbeat_s: float,
-                       on_heartbeat: Callable[[], None]) -> AsyncIterator[bytes]:
+                       on_heartbeat: Callable[[], None]) -> AsyncGenerator[bytes, None]:
     """Ollama's lines as they came, with spaces before them while Ollama is silent."""
     generation = subscriber.generation
 

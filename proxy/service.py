@@ -225,10 +225,11 @@ class ProxyService:
         def finished(generation: Generation) -> None:
             self.generations.discard(generation)
             self.metrics.inflight.set(len(self.generations))
-            self._record(plan, client, generation, arrival)
 
-        generation = Generation(lambda g: self._open(plan, g),
-                                grace_s=self.settings.retry_grace_s, on_finish=finished)
+        generation = Generation(
+            lambda g: self._open(plan, g), grace_s=self.settings.retry_grace_s,
+            on_settled=lambda g: self._record(plan, client, g, arrival))
+        generation.on_done(finished)
         self.generations.add(generation)
         self.metrics.inflight.set(len(self.generations))
         generation.start()

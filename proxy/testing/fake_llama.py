@@ -32,9 +32,11 @@ WORD = re.compile(r"\s*\S+|\s+")
 # that is an HTML page). Mid-stream, after the first word: "bad_json", "non_object" (a JSON
 # event that is not an object), "close" (the body ends without [DONE]), "error_event",
 # "huge_event" (an event that never ends), "crash" (an exception: the server drops the
-# connection); after prefill: "hang".
+# connection); after prefill: "hang"; after [DONE]: "linger" (the body ends LINGER_S later,
+# as from a server still busy with its side of the request).
 FAULTS = ("reset", "context", "not_sse", "bad_json", "non_object", "close", "error_event",
-          "huge_event", "crash", "hang")
+          "huge_event", "crash", "hang", "linger")
+LINGER_S = 2.0
 HUGE_EVENT_BYTES = 65 * 1024 * 1024  # past the proxy's SSE decoder limit (64 MiB)
 
 
@@ -265,6 +267,8 @@ class FakeLlamaServer:
             else:
                 yield emit({**_finish_chunk(envelope, chat), "timings": timings})
             yield b"data: [DONE]\n\n"
+            if fault == "linger":
+                await asyncio.sleep(LINGER_S)
             slot.last_used = time.monotonic()
 
 

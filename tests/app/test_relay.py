@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from proxy.app import create_app
 from proxy.asgi_transport import StreamingASGITransport
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from proxy.testing.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
 
 pytestmark = pytest.mark.anyio
@@ -197,3 +198,29 @@ async def test_a_client_without_usage_still_gets_timings_on_its_finish_chunk() -
     assert len(finish) == 1
     assert finish[0]["timings"]["prompt_n"] > 0
     assert payloads.index(finish[0]) == len(payloads) - 2, "finish chunk must stay in order"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_answer_ends_with_the_engines_done_not_its_body(stream: bool) -> None:
+    """A client's answer ends at the engine's [DONE]: the end of the engine's body (which a
+    busy server may send late) and the slot's release come after, off the client's latency.
+    The turn is committed before the client can send its next one."""
+    engine = FakeLlamaServer()
+    engine.faults.append("linger")
+    body = {**CHAT, "stream": stream, "stream_options": {"include_usage": True}} if stream \
+        else CHAT
+    async with running_proxy(engine) as (client, _):
+        started = time.monotonic()
+        response = await client.post("/v1/chat/completions", json=body,
+                                     headers={"x-session-id": "A"})
+        elapsed = time.monotonic() - started
+        sessions = (await client.get("/sessions")).json()["namespaces"]
+    assert response.status_code == 200
+    if stream:
+        assert data_of(sse_events(response.text))[-1] == "[DONE]"
+    else:
+        assert response.json()["choices"][0]["message"]["content"] == "Hello from the fake"
+    assert elapsed < LINGER_S / 2, f"the client waited {elapsed:.2f} s for the engine's body"
+    [session] = [s for group in sessions.values() for s in group]
+    assert session["last_decision"] == "new"
+    assert session["committed_tokens"] > 0
