@@ -27,8 +27,8 @@ def serve(settings: Settings) -> int:
               file=sys.stderr)
         return 1
     app = create_app(settings)
-    # uvicorn speaks ASGI HTTP spec 2.3, so Starlette's StreamingResponse listens for
-    # http.disconnect while it streams: a client that leaves cancels the relay at once.
+    # A streamed answer listens for http.disconnect while it streams (proxy.streaming): a
+    # client that leaves cancels the relay at once.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5, **http_options())
