@@ -2,10 +2,13 @@
 
 Side by side in one run, against a zero-latency fake llama-server (its own process):
 direct, prefixpin pass-through (every feature off) and prefixpin with affinity and repair
-on (the SmolLM2 tokenizer for fingerprints). Each request resends the same conversation
-under one session key, so the affinity arm takes its full path every time: parse, digests
-of 64 messages, the fingerprint chain (warm cache), bytes decide, the slot lease and the
-commit. Arms alternate; added latency is the arm's percentile minus direct's.
+on (the SmolLM2 tokenizer for fingerprints), once with a session key (explicit identity)
+and once without (implicit). Each request resends the same conversation, so the affinity
+arms take their full path every time: parse, digests of 64 messages, bytes decide, the
+slot lease and the commit; the keyless arm also looks its fingerprint chain up (memoised
+by message prefix: tokenizing what a real turn adds costs ~0.3 ms per 1,000 characters on
+top, see bench/fingerprint_bench.py). Arms alternate; added latency is the arm's
+percentile minus direct's; the order of the arms rotates every round.
 
     python bench/affinity_latency.py [--requests 200] [--out bench/results/affinity-latency]
 """
@@ -65,32 +68,40 @@ def run(requests: int) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "stream": True}
     serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
              "--log-level", "warning"]
-    arms = {"direct": fake, "passthrough": f"http://127.0.0.1:{plain_port}",
-            "affinity": f"http://127.0.0.1:{affinity_port}"}
+    affinity = f"http://127.0.0.1:{affinity_port}"
+    # Each arm: its URL and whether requests carry the session key.
+    arms = {"direct": (fake, True), "passthrough": (f"http://127.0.0.1:{plain_port}", True),
+            "affinity": (affinity, True), "affinity_keyless": (affinity, False)}
     totals: dict[str, list[float]] = {arm: [] for arm in arms}
-    headers = {"x-session-id": "bench"}
     with process([sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(fake_port),
                   "--reply-words", "4", "--n-ctx", "131072"], fake), \
             process([*serve, "--port", str(plain_port), "--no-affinity", "--no-repair",
-                     "--no-parking"], arms["passthrough"]), \
+                     "--no-parking"], arms["passthrough"][0]), \
             process([*serve, "--port", str(affinity_port), "--tokenizer",
-                     str(ensure_model("smollm2"))], arms["affinity"]), \
-            httpx.Client(timeout=60, headers=headers) as client:
-        for url in arms.values():
+                     str(ensure_model("smollm2"))], affinity), \
+            httpx.Client(timeout=60, headers={"x-session-id": "bench"}) as keyed, \
+            httpx.Client(timeout=60) as keyless:
+        for url, with_key in arms.values():
             for _ in range(10):
-                timed_request(client, url, body)
-        for _ in range(requests):
-            for arm, url in arms.items():
-                totals[arm].append(timed_request(client, url, body)[1])
-        sessions = client.get(arms["affinity"] + "/sessions").json()
-        check = client.post(arms["affinity"] + "/v1/chat/completions",
-                            json={**body, "stream": False}).json()
-    cached = ((check.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    if not cached:
-        raise SystemExit(f"the affinity arm's check request was not served from cache: {check}")
+                timed_request(keyed if with_key else keyless, url, body)
+        order = list(arms)
+        for index in range(requests):
+            # Rotated each round: every arm follows every other equally often (what one arm
+            # leaves running, e.g. the pass-through's /slots read, lands on all of them).
+            for arm in order[index % len(order):] + order[:index % len(order)]:
+                url, with_key = arms[arm]
+                totals[arm].append(timed_request(keyed if with_key else keyless, url, body)[1])
+        sessions = keyed.get(affinity + "/sessions").json()
+        checks = [client.post(affinity + "/v1/chat/completions",
+                              json={**body, "stream": False}).json()
+                  for client in (keyed, keyless)]
+    for check in checks:
+        usage = check.get("usage") or {}
+        if not (usage.get("prompt_tokens_details") or {}).get("cached_tokens"):
+            raise SystemExit(f"an affinity arm's check request was not served from cache: {check}")
     result: dict[str, Any] = {"requests_per_arm": requests, "messages": len(messages),
                               "body_bytes": len(json.dumps(body))}
-    for arm in ("passthrough", "affinity"):
+    for arm in ("passthrough", "affinity", "affinity_keyless"):
         for q, label in ((0.5, "p50"), (0.99, "p99")):
             added = (percentile(totals[arm], q) - percentile(totals["direct"], q)) * 1000
             result[f"{arm}_added_{label}_ms"] = round(added, 3)
