@@ -43,7 +43,7 @@ from proxy.ndjson import (
     fold_generate,
 )
 from proxy.sse import encode_comment, encode_data
-from proxy.streaming import StreamResponse
+from proxy.streaming import StreamResponse, wait_disconnect
 from proxy.validation import ClientRequest
 
 BATCH_FRAMES = 256
@@ -225,7 +225,7 @@ async def _json_response(request: Request, subscriber: Subscriber,
 async def _answered_or_disconnected(request: Request, generation: Generation) -> bool:
     """Wait for the generation's answer; False if the client disconnected first."""
     answered = asyncio.ensure_future(generation.wait_answered())
-    disconnected = asyncio.ensure_future(_wait_disconnect(request))
+    disconnected = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({answered, disconnected},
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -234,13 +234,6 @@ async def _answered_or_disconnected(request: Request, generation: Generation) ->
         for task in (answered, disconnected):
             task.cancel()
         await asyncio.gather(answered, disconnected, return_exceptions=True)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _ensure_usage(body: dict[str, Any], generation: Generation, *,

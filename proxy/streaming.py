@@ -57,10 +57,15 @@ class _Stream:
         self.left = False
 
 
-async def _watch_disconnect(receive: Receive, streamer: asyncio.Task[object],
-                            state: _Stream) -> None:
+async def wait_disconnect(receive: Receive) -> None:
+    """Until the client has gone (whatever else arrives meanwhile is of no use here)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _watch_disconnect(receive: Receive, streamer: asyncio.Task[object],
+                            state: _Stream) -> None:
+    await wait_disconnect(receive)
     if state.streaming:  # the streaming task is suspended inside its try block
         state.left = True
         streamer.cancel()

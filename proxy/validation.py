@@ -146,9 +146,9 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
 
 def _parse_fast(raw: bytes) -> Any:
     """orjson's parse (a 120 kB history in a third of the standard library's time), or
-    None when only the standard library's decides: orjson refuses what it refuses (its
-    messages are the ones clients see) and reads integers beyond 64 bits as floats, so a
-    body holding a float that large is parsed again exactly."""
+    None where the standard library must decide: whatever orjson refuses (the standard
+    library's verdict and message are the ones clients get), and any body holding a float
+    of 2**63 or more, which may be an integer orjson read as a float (parsed again exactly)."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
