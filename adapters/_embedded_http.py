@@ -38,6 +38,7 @@ from adapters._embedded_wire import (
     is_last,
     sse,
 )
+from proxy.streaming import wait_disconnect
 
 if TYPE_CHECKING:
     from adapters._embedded_job import Job
@@ -82,15 +83,10 @@ def guarded(handler: Handler) -> Handler:
     return wrapper
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """``await work``, or None if the client goes away first (then ``work`` is cancelled)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -286,7 +282,7 @@ async def _sse_events(request: Request, job: Job, first: Event,
                       renderer: Renderer) -> AsyncIterator[str]:
     """The SSE body. Leaving it early cancels the generation; so does a disconnect seen
     while nothing is being sent (an ASGI 2.4 server reports it only on the next send)."""
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     watcher.add_done_callback(lambda _: job.cancel.set())
     try:
         event = first
