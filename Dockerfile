@@ -8,6 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 # Only what the package needs: the image does not change when tests or benches do.
 COPY pyproject.toml README.md ./
+COPY core ./core
 COPY proxy ./proxy
 COPY adapters ./adapters
 COPY fingerprint ./fingerprint

@@ -38,7 +38,7 @@ from adapters._embedded_wire import (
     is_last,
     sse,
 )
-from proxy.streaming import wait_disconnect
+from core.streaming import wait_disconnect
 
 if TYPE_CHECKING:
     from adapters._embedded_job import Job

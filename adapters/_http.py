@@ -11,7 +11,7 @@ import httpx
 import orjson
 
 from adapters.base import Frame
-from proxy.errors import (
+from core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeoutError,
@@ -101,8 +101,8 @@ T = TypeVar("T")
 
 
 class StreamDecoder(Protocol[T]):
-    """A sans-IO decoder of a streamed body (``proxy.sse.SSEDecoder``,
-    ``proxy.ndjson.NDJSONDecoder``): bytes in, whole items out."""
+    """A sans-IO decoder of a streamed body (``core.sse.SSEDecoder``,
+    ``core.ndjson.NDJSONDecoder``): bytes in, whole items out."""
 
     def feed(self, chunk: bytes) -> list[T]: ...
 

@@ -15,9 +15,9 @@ from typing import Any
 import orjson
 
 from adapters.base import Frame, FrameKind, Progress
-from proxy.errors import UpstreamProtocolError
-from proxy.figures import count_of
-from proxy.sse import SSEEvent
+from core.errors import UpstreamProtocolError
+from core.figures import count_of
+from core.sse import SSEEvent
 
 
 def classify(event: SSEEvent) -> Frame:

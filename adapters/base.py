@@ -8,13 +8,17 @@ to render and tokenize prompts exactly as the engine would.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+
+from core.frames import Frame, FrameKind, Progress
+
+__all__ = ["Adapter", "Capabilities", "EngineInfo", "Frame", "FrameKind", "Progress",
+           "SlotFileResult", "SlotState", "UpstreamCall", "UpstreamStream"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,34 +60,6 @@ class SlotFileResult:
     n_tokens: int
     n_bytes: int
     ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    total: int
-    cache: int
-    processed: int
-    time_ms: float
-
-
-class FrameKind(enum.Enum):
-    PROGRESS = "progress"  # prompt progress only, no output
-    CHUNK = "chunk"  # an output chunk (text, tool-call delta, role, finish)
-    USAGE = "usage"  # the final usage-only chunk (choices: [])
-    DONE = "done"  # data: [DONE]
-    ERROR = "error"  # an error event from the engine mid-stream
-    PING = "ping"  # the engine's own keep-alive comment
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One event of an engine's output stream, parsed once and kept with its exact bytes."""
-
-    kind: FrameKind
-    raw: bytes
-    data: Mapping[str, Any] | None = None
-    progress: Progress | None = None
-    has_output: bool = False  # carries generated text or a tool-call delta (stops the TTFT clock)
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ from adapters._embedded_slots import (
     wrap_slot_id,
 )
 from adapters.llama_server import LlamaServerAdapter
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 
 __all__ = [
     "ApiError",

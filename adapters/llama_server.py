@@ -33,8 +33,8 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from proxy.errors import UpstreamError
-from proxy.sse import SSEDecoder
+from core.errors import UpstreamError
+from core.sse import SSEDecoder
 
 # Architectures whose attention is (partly) a sliding window: a rewind deeper than the
 # window needs a context checkpoint, and a restored slot has none (research note §1, §3).

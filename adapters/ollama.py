@@ -43,9 +43,9 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from proxy.errors import UpstreamError, UpstreamProtocolError
-from proxy.ndjson import Line, NDJSONDecoder
-from proxy.sse import SSEDecoder
+from core.errors import UpstreamError, UpstreamProtocolError
+from core.ndjson import Line, NDJSONDecoder
+from core.sse import SSEDecoder
 
 CACHED_COUNT_SINCE = (0, 33, 3)  # ollama/ollama#17943: prompt_eval_cached_count
 WHOLE_PROMPT_COUNT_SINCE = (0, 30, 1)  # ollama/ollama#16428: prompt_eval_count = cache + new

@@ -32,7 +32,7 @@ from starlette.requests import Request
 
 from adapters.base import EngineInfo
 from fingerprint import Chain, nominates, shared_leading
-from proxy.errors import ProxyError
+from core.errors import ProxyError
 from proxy.history import Committed, Verdict, decide, digest
 from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
 from proxy.implicit import Fingerprinter

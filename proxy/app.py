@@ -30,7 +30,7 @@ from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import EngineKind, OllamaAdapter, detect_engine
 from proxy.affinity import AffinityPlanner
 from proxy.backends import Router, open_router
-from proxy.errors import ProxyError, UpstreamError, error_response, openai_error
+from core.errors import ProxyError, UpstreamError, error_response, openai_error
 from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics

@@ -45,7 +45,7 @@ from starlette.responses import Response
 from adapters.base import EngineInfo
 from adapters.llama_server import LlamaServerAdapter
 from proxy.affinity import AffinityPlanner
-from proxy.errors import ProxyError
+from core.errors import ProxyError
 from proxy.history import digest
 from proxy.identity import explicit_identity, namespace_of
 from proxy.implicit import Fingerprinter, load_fingerprinter

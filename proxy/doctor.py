@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from proxy.errors import UpstreamUnavailableError
+from core.errors import UpstreamUnavailableError
 
 Status = Literal["problem", "warning", "ok", "unknown"]
 

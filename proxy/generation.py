@@ -17,7 +17,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from adapters.base import Frame, FrameKind, Progress, UpstreamStream
-from proxy.errors import (
+from core.errors import (
     GenerationCancelledError,
     ProxyError,
     UpstreamProtocolError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.errors import openai_error
+from core.errors import openai_error
 
 # Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024

@@ -54,8 +54,8 @@ from starlette.responses import Response
 
 from adapters._http import map_httpx_errors
 from proxy.affinity import AffinityPlanner
-from proxy.errors import ProxyError, UpstreamError
-from proxy.figures import Figures
+from core.errors import ProxyError, UpstreamError
+from core.figures import Figures
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.passthrough import forward

@@ -69,7 +69,7 @@ from typing import Any, Literal
 import blake3
 
 from adapters.base import Adapter, EngineInfo
-from proxy.errors import ProxyError
+from core.errors import ProxyError
 from proxy.history import Committed, decide, digest, shape_digest
 from proxy.logs import log_event
 from proxy.metrics import Metrics

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from proxy.errors import QueueTimeoutError
+from core.errors import QueueTimeoutError
 from proxy.sessions import Kind
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.

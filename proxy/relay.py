@@ -9,7 +9,7 @@ headers went out, an OpenAI-shaped error event and a clean end of stream.
 Ollama's native API (``/api/chat``, ``/api/generate``) streams NDJSON, which has no
 comments: there the keep-alive is a space written before the next JSON object (the only
 bytes ollama-python, Ollama's Go client and ollama-js all parse and never see; see
-``proxy.ndjson``). A streaming native client gets the headers and one space at once, a
+``core.ndjson``). A streaming native client gets the headers and one space at once, a
 space every ``--heartbeat`` seconds while Ollama is silent (queue, model load, prefill),
 then Ollama's lines unchanged; a failure after the headers is Ollama's own late-error line
 ``{"error": "..."}``. A ``stream: false`` client gets nothing until the one JSON body, as
@@ -30,10 +30,10 @@ from starlette.responses import JSONResponse, Response
 
 from adapters.base import Frame, FrameKind, Progress
 from proxy.aggregate import aggregate
-from proxy.errors import ProxyError, UpstreamStatusError, error_event, error_response
-from proxy.figures import count_of, figures_from, mapping_of, with_cached_tokens
+from core.errors import ProxyError, UpstreamStatusError, error_event, error_response
+from core.figures import count_of, figures_from, mapping_of, with_cached_tokens
 from proxy.generation import Generation, Subscriber
-from proxy.ndjson import (
+from core.ndjson import (
     GO_JSON_MEDIA_TYPE,
     KEEPALIVE,
     NDJSON_MEDIA_TYPE,
@@ -42,8 +42,8 @@ from proxy.ndjson import (
     fold_chat,
     fold_generate,
 )
-from proxy.sse import encode_comment, encode_data
-from proxy.streaming import StreamResponse, wait_disconnect
+from core.sse import encode_comment, encode_data
+from core.streaming import StreamResponse, wait_disconnect
 from proxy.validation import ClientRequest
 
 BATCH_FRAMES = 256

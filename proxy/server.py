@@ -27,7 +27,7 @@ def serve(settings: Settings) -> int:
               file=sys.stderr)
         return 1
     app = create_app(settings)
-    # A streamed answer listens for http.disconnect while it streams (proxy.streaming): a
+    # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,

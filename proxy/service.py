@@ -24,20 +24,20 @@ from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo, FrameKind, UpstreamCall, UpstreamStream
 from proxy.aggregate import aggregate
-from proxy.errors import (
+from core.errors import (
     ClientError,
     GenerationCancelledError,
     ProxyError,
     QueueTimeoutError,
     UpstreamUnavailableError,
 )
-from proxy.figures import Figures, figures_from
+from core.figures import Figures, figures_from
 from proxy.generation import Generation
 from proxy.identity import namespace_of
 from proxy.inflight import InFlight, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
-from proxy.ndjson import reply_message
+from core.ndjson import reply_message
 from proxy.placement import Lease, SlotPool, Want
 from proxy.relay import respond
 from proxy.settings import Settings

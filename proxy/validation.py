@@ -21,7 +21,7 @@ from typing import Any, Literal
 import orjson
 from starlette.requests import ClientDisconnect
 
-from proxy.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
+from core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
 Endpoint = Literal["chat", "completions"]
 Api = Literal["openai", "ollama"]  # the wire format a client speaks (ollama: /api/chat, ...)

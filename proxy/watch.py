@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from adapters.base import Adapter, EngineInfo
-from proxy.errors import UpstreamError, UpstreamTimeoutError
+from core.errors import UpstreamError, UpstreamTimeoutError
 from proxy.logs import log_event
 from proxy.service import ProxyService
 

@@ -37,7 +37,7 @@ import redis
 
 from adapters.base import Frame, FrameKind, Progress
 from proxy.cluster.core import REPLICA_TTL_S, Cluster
-from proxy.errors import (
+from core.errors import (
     GenerationCancelledError,
     ProxyError,
     UpstreamStatusError,

@@ -36,7 +36,7 @@ import redis
 from adapters.base import EngineInfo
 from proxy.backends import Load, SharedStateError
 from proxy.cluster.core import Cluster
-from proxy.errors import QueueTimeoutError
+from core.errors import QueueTimeoutError
 from proxy.logs import log_event
 from proxy.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
 

@@ -11,7 +11,7 @@ import pytest
 
 from proxy.affinity import AffinityPlanner
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.rig.models import ensure_model
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.backends import MemoryHomes, rendezvous, session_identity
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer

@@ -494,7 +494,7 @@ async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
     index beside them; A is parked when B comes, restored when A returns, and restored
     again by a new proxy after a restart (a clean shutdown parked it)."""
     from proxy.app import create_app
-    from proxy.asgi_transport import StreamingASGITransport
+    from core.asgi_transport import StreamingASGITransport
     from proxy.rig.models import ensure_model
     from proxy.settings import Settings
 

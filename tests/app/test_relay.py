@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.settings import Settings
 from proxy.testing.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.rig.redis_process import RedisProcess, find_redis_server, run_redis_server
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer

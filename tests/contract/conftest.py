@@ -22,7 +22,7 @@ import pytest
 from adapters.base import Adapter, UpstreamCall
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
 from proxy.rig.models import ensure_model
 from proxy.testing.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from adapters.base import Adapter, Frame, FrameKind
-from proxy.figures import Figures, figures_from
+from core.figures import Figures, figures_from
 from tests.contract.conftest import OLLAMA_MODEL
 from tests.e2e.helpers import filler
 

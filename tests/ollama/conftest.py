@@ -20,7 +20,7 @@ import httpx
 from starlette.applications import Starlette
 
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
+from core.asgi_transport import StreamingASGITransport
 from proxy.settings import Settings
 from proxy.testing.fake_ollama import (
     FakeModel,

@@ -26,8 +26,8 @@ from starlette.routing import Route
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
 from proxy.app import create_app
-from proxy.asgi_transport import StreamingASGITransport
-from proxy.errors import UpstreamProtocolError
+from core.asgi_transport import StreamingASGITransport
+from core.errors import UpstreamProtocolError
 from proxy.ollama import OllamaPlanner
 from proxy.rig.llama_process import run_llama_server
 from proxy.settings import Settings

@@ -13,8 +13,8 @@ import pytest
 
 from adapters.base import Frame, FrameKind
 from adapters.ollama import classify_native, classify_openai, reports_cached_count, version_tuple
-from proxy.figures import figures_from
-from proxy.ndjson import (
+from core.figures import figures_from
+from core.ndjson import (
     KEEPALIVE,
     NDJSONDecoder,
     encode_line,
@@ -23,7 +23,7 @@ from proxy.ndjson import (
     fold_generate,
     reply_message,
 )
-from proxy.sse import SSEDecoder
+from core.sse import SSEDecoder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ollama"
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from adapters._openai_sse import classify
 from adapters.base import Frame, Progress
-from proxy.figures import figures_from, with_cached_tokens
-from proxy.sse import SSEDecoder
+from core.figures import figures_from, with_cached_tokens
+from core.sse import SSEDecoder
 
 
 def frame(payload: dict[str, Any]) -> Frame:

@@ -30,7 +30,7 @@ from adapters._openai_sse import parse_progress
 from adapters.base import Capabilities, Frame, FrameKind, Progress
 from proxy.affinity import AffinityPlanner
 from proxy.aggregate import aggregate
-from proxy.figures import Figures, figures_from, with_cached_tokens
+from core.figures import Figures, figures_from, with_cached_tokens
 from proxy.generation import Generation
 from proxy.history import Committed, canonical, decide, digest
 from proxy.metrics import Metrics

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from proxy.errors import QueueTimeoutError
+from core.errors import QueueTimeoutError
 from proxy.placement import Eviction, SlotPool, Want
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from proxy.http_limits import http_options
-from proxy.streaming import StreamResponse
+from core.streaming import StreamResponse
 from proxy.testing.servers import serve_in_thread
 
 

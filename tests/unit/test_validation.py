@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from proxy.errors import BadRequestError, PayloadTooLargeError
+from core.errors import BadRequestError, PayloadTooLargeError
 from proxy.validation import parse_request, read_body
 
 

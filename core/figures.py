@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.base import Frame, FrameKind, Progress
+from core.frames import Frame, FrameKind, Progress
 
 
 @dataclass(frozen=True, slots=True)
