@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.overhead import percentile, process, timed_request
-from proxy.rig.models import ensure_model
+from proxy.models import ensure_model
 from proxy.testing.servers import free_port
 
 WORDS = ["parse", "render", "token", "slot", "cache", "prefix", "commit", "session", "engine",

@@ -82,8 +82,8 @@ def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list
 
 
 def start_llama(args: argparse.Namespace, work: Path) -> tuple[ManagedProcess, list[str]]:
-    from proxy.rig.llama_build import ensure_llama_server
-    from proxy.rig.models import ensure_model
+    from proxy.models import ensure_model
+    from tests.rig.llama_build import ensure_llama_server
 
     port = free_port()
     slot_dir = work / "slots"

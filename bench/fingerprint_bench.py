@@ -27,7 +27,7 @@ from typing import Any
 
 from fingerprint.messages import Markers, MessageTokenCache, chain_for_messages
 from fingerprint.tokenizer import ModelTokenizer, load_tokenizer, markers_for
-from proxy.rig.models import MODELS, ensure_model
+from proxy.models import MODELS, ensure_model
 
 Message = dict[str, Any]
 

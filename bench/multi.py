@@ -42,9 +42,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
-from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
-from proxy.rig.redis_process import RedisProcess, run_redis_server
-from proxy.rig.replica_process import ReplicaProcess, start_replica
+from tests.rig.llama_process import LlamaServerProcess, run_llama_server
+from tests.rig.redis_process import RedisProcess, run_redis_server
+from tests.rig.replica_process import ReplicaProcess, start_replica
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "multi"

@@ -119,8 +119,8 @@ class Rig:
 
 
 def start_rig(args: argparse.Namespace, work: Path) -> Rig:
-    from proxy.rig.llama_build import ensure_llama_server
-    from proxy.rig.models import ensure_model
+    from proxy.models import ensure_model
+    from tests.rig.llama_build import ensure_llama_server
 
     slot_dir = work / "slots"
     slot_dir.mkdir(parents=True)

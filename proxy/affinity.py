@@ -28,20 +28,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from starlette.requests import Request
-
 from adapters.base import EngineInfo
-from fingerprint import Chain, nominates, shared_leading
 from core.errors import ProxyError
+from fingerprint import Chain, nominates, shared_leading
 from proxy.history import Committed, Verdict, decide, digest
-from proxy.identity import ExplicitIdentity, explicit_identity, namespace_of
+from proxy.identity import ExplicitIdentity, explicit_identity
 from proxy.implicit import Fingerprinter
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.parking import ParkManager
 from proxy.placement import Lease, SlotPool, Want
-from proxy.repair import Applied, Repairer, RepairMemory
-from proxy.service import Backend, Outcome, Plan
+from proxy.repair import Applied, Repairer
+from proxy.service import Backend, Incoming, Outcome, Plan
 from proxy.sessions import Kind, Session, SessionStore, TurnFigures
 from proxy.validation import ClientRequest
 
@@ -86,9 +84,9 @@ class AffinityPlanner:
         self.budget_tokens = budget_tokens
         self.parking = parking
 
-    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
-        namespace = namespace_of(request.headers)
-        identity = explicit_identity(client.body, request.headers)
+    async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
+        client, namespace = incoming.client, incoming.namespace
+        identity = explicit_identity(client.body, incoming.headers)
         digests = [digest(m) for m in client.body.get("messages") or []]
         decision = await self._decide(client, namespace, identity, backend, digests)
         session = decision.session
@@ -99,10 +97,15 @@ class AffinityPlanner:
                                  "reason": session.last_reason, "namespace": namespace,
                                  "upstream": backend.label}
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
-                    want=Want(session.id, session.kind, preferred, session.prompt_tokens))
-        plan.extras["chain"] = decision.chain
-        plan.extras["digests"] = (digests if decision.body is None
-                                  else _digests_of(body, client.body, digests, session))
+                    want=Want(session.id, session.kind, preferred, session.prompt_tokens),
+                    chain=decision.chain, repairs=decision.repairs, lane=backend.label,
+                    digests=(digests if decision.body is None
+                             else _digests_of(body, client.body, digests, session)))
+        if incoming.placement is not None:
+            notes["placement"] = incoming.placement
+            if incoming.moved:
+                session.last_reason = f"{session.last_reason}; {incoming.placement}"
+                notes["reason"] = session.last_reason
         if decision.repairs:
             notes["repairs"] = [r.line() for r in decision.repairs]
         return plan
@@ -160,14 +163,14 @@ class AffinityPlanner:
         if not outcome.ok:
             return
         body = plan.body
-        session.committed = (Committed.of_chat(body, plan.extras.get("digests"))
+        session.committed = (Committed.of_chat(body, plan.digests)
                              if "messages" in body else Committed.of_completion(body))
-        session.chain = plan.extras.get("chain") or session.chain
+        session.chain = plan.chain or session.chain
         if outcome.reply is not None:
-            memory = session.pinned.setdefault("repair", RepairMemory())
-            memory.last_reply = dict(outcome.reply)
+            session.repair.last_reply = dict(outcome.reply)
         session.prompt_tokens = figures.prompt_tokens or 0
         session.slot = plan.slot
+        session.backend = plan.lane
         self.store.touch(session)
         if self.parking is not None:
             self.parking.touch(session.id)
@@ -250,7 +253,7 @@ class AffinityPlanner:
         plain = decide(committed, body, digests)
         if plain.resumable or self.repairer is None or committed.prompt is not None:
             return Match(plain, body)
-        memory = session.pinned.setdefault("repair", RepairMemory())
+        memory = session.repair
         repaired = self.repairer.repair(committed.messages, committed.body or {}, body, memory,
                                         self.budget_tokens)
         verdict = decide(committed, repaired.body) if repaired.changed else plain

@@ -38,6 +38,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "(default 256 tokens)"),
     "--park-verify": ("park_verify", str, "full (blake3 of the whole file, default) | tokens "
                       "(size and token list only)"),
+    "--park-index-dir": ("park_index_dir", str, "prefixpin's own directory for the park "
+                         "index without --redis (default: one per park directory under "
+                         "~/.cache/prefixpin/park-index)"),
     "--redis": ("redis", str, "Redis URL (redis://host:port/db): sessions, slot leases, homes and "
                 "in-flight generations shared by several replicas (env PREFIXPIN_REDIS; "
                 "needs the `replicas` extra)"),
@@ -53,6 +56,12 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--log-level": ("log_level", str, "debug | info | warning | error"),
 }
 SWITCHES = {"affinity": "session affinity", "repair": "history repair", "parking": "parking"}
+# Off unless given (--no-X turns them off again).
+OPTIONS = {"park-shared": ("park_shared", "every engine's --slot-save-path is --park-dir, one "
+                           "directory for all engines and replicas: a session parked by one "
+                           "engine may be restored into another running the same model "
+                           "(default off: per-engine save directories; env "
+                           "PREFIXPIN_PARK_SHARED=1)")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in SWITCHES.items():
         serve.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                            help=f"{text} on/off (env PREFIXPIN_{name.upper()}=0 turns it off)")
+    for name, (field, text) in OPTIONS.items():
+        serve.add_argument(f"--{name}", dest=field, action=argparse.BooleanOptionalAction,
+                           help=text)
     from proxy.doctor import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(commands.add_parser(

@@ -41,29 +41,25 @@ API (a missing model is Ollama's own 404).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters._http import map_httpx_errors
-from proxy.affinity import AffinityPlanner
-from core.errors import ProxyError, UpstreamError
+from core.errors import UpstreamError
 from core.figures import Figures
+from proxy.affinity import AffinityPlanner
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.passthrough import forward
 from proxy.placement import Lease
-from proxy.relay import native_error_response
-from proxy.service import CACHED_ESTIMATE, Backend, Outcome, Plan, ProxyService
+from proxy.service import Backend, Incoming, Outcome, Plan
 from proxy.sessions import Session
-from proxy.validation import ClientRequest, Endpoint, read_body
+from proxy.validation import ClientRequest
 
 # A load takes hundreds of milliseconds (a runner process starts and reads the weights);
 # a warm request's load_duration is a few milliseconds (0.35.1 recordings: 0.78 s and
@@ -74,14 +70,6 @@ COLD_LOAD_FACTOR = 20.0
 
 _GO_DURATION = re.compile(r"[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h)")
-
-
-@dataclass(slots=True)
-class CacheState:
-    """What the proxy believes Ollama holds for one session."""
-
-    model: str | None = None
-    cold: str | None = None  # why its cache is assumed gone; None while it is believed warm
 
 
 def model_key(name: object) -> str:
@@ -118,21 +106,21 @@ class OllamaPlanner:
         self.upstream = upstream
         self._warm_load_ms: dict[str, float] = {}  # per model, the smallest warm load seen
 
-    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
-        plan = await self.inner.plan(client, request, backend)
+    async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
+        plan = await self.inner.plan(incoming, backend)
         plan.want = None  # Ollama chooses the slot
         session = self.store.get(plan.session) if plan.session else None
         if session is None:
             return plan
-        state = cache_state(session)
+        state = session.engine_cache
         model = model_key(plan.body.get("model"))
         reusable = 0
         if state.cold is not None:
             plan.notes["cache"] = f"cold: {state.cold}"
         elif session.last_decision == "resumed" and state.model == model:
             reusable = session.prompt_tokens
-        plan.extras[CACHED_ESTIMATE] = _Estimate(self, model, reusable)
-        plan.extras["ollama_resumed"] = reusable > 0
+        plan.cached_estimate = _Estimate(self, model, reusable)
+        plan.engine_resumed = reusable > 0
         return plan
 
     async def on_lease(self, plan: Plan, lease: Lease) -> None:
@@ -144,7 +132,7 @@ class OllamaPlanner:
         if session is None or not outcome.ok:
             return
         model = model_key(plan.body.get("model"))
-        state = cache_state(session)
+        state = session.engine_cache
         state.model = model
         figures = outcome.figures
         if self.cold_load(model, figures):
@@ -154,7 +142,7 @@ class OllamaPlanner:
         elif figures.load_ms is not None:
             warm = self._warm_load_ms.get(model, figures.load_ms)
             self._warm_load_ms[model] = min(warm, figures.load_ms)
-        if plan.extras.get("ollama_resumed") and figures.cached_tokens == 0:
+        if plan.engine_resumed and figures.cached_tokens == 0:
             plan.notes["cache"] = "cold: a resumed session got no cached tokens"
             self.lost(model, f"model {model} reported 0 cached tokens for a session it held",
                       "cached_dropped", keep=session)
@@ -176,7 +164,7 @@ class OllamaPlanner:
         """Every session on ``model`` (every session, for None) but ``keep`` is cold now."""
         marked = 0
         for session in self.store:
-            state = cache_state(session)
+            state = session.engine_cache
             if session is keep or (model is not None and state.model != model):
                 continue
             if state.cold is None:
@@ -209,54 +197,18 @@ class _Estimate:
         return max(0, min(self._reusable, (figures.prompt_tokens or 0) - 1))
 
 
-def cache_state(session: Session) -> CacheState:
-    state = session.pinned.get("ollama")
-    if not isinstance(state, CacheState):
-        state = session.pinned["ollama"] = CacheState()
-    return state
-
-
 # ------------------------------------------------------------------------ native routes
 
-async def handle_native(service: ProxyService, request: Request,
-                        endpoint: Endpoint) -> Response:
-    """``/api/chat`` and ``/api/generate``: through the request path when fronting Ollama;
-    a model load or unload request (no messages, an empty prompt) passes straight through.
-    Errors are Ollama-shaped (``{"error": "..."}``)."""
-    adapter = service.backend.adapter
-    if adapter.name != "ollama":
-        return await forward(request, adapter.http)
-    try:
-        raw = await read_body(request.stream(), request.headers.get("content-length"),
-                              service.settings.max_body_bytes)
-        lifecycle = _lifecycle_request(raw, endpoint)
-        if lifecycle is not None:
-            return await _lifecycle(service, request, raw, lifecycle)
-        return await service.handle(request, endpoint, api="ollama", raw=raw)
-    except ProxyError as exc:
-        return native_error_response(exc)
-
-
-def _lifecycle_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any] | None:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None  # the request path answers it with a 400
-    if not isinstance(body, dict):
-        return None
-    empty = not body.get("messages") if endpoint == "chat" else not body.get("prompt")
-    return body if empty and not body.get("images") else None
-
-
-async def _lifecycle(service: ProxyService, request: Request, raw: bytes,
-                     body: Mapping[str, Any]) -> Response:
-    """Forward a load/unload request; a load or an unload empties the model's cache."""
-    http = service.backend.adapter.http
+async def lifecycle(http: httpx.AsyncClient, planner: OllamaPlanner | None, request: Request,
+                    client: ClientRequest, raw: bytes) -> Response:
+    """A model load or unload request (``/api/chat`` with no messages, ``/api/generate``
+    with an empty prompt) goes to Ollama as it came; a load or an unload empties the
+    model's cache, which the planner is told."""
+    body = client.body
     model = model_key(body.get("model"))
     loaded = await _is_loaded(http, model)
     response = await forward(request, http, raw)
-    planner = service.planner
-    if isinstance(planner, OllamaPlanner) and response.status_code < 400:
+    if planner is not None and response.status_code < 400:
         if unloads(body.get("keep_alive")):
             planner.lost(model, f"unload of {model} requested (keep_alive 0)", "unloaded")
         elif not loaded:

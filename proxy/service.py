@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,8 +22,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Adapter, EngineInfo, FrameKind, UpstreamCall, UpstreamStream
-from proxy.aggregate import aggregate
+from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
 from core.errors import (
     ClientError,
     GenerationCancelledError,
@@ -32,23 +31,17 @@ from core.errors import (
     UpstreamUnavailableError,
 )
 from core.figures import Figures, figures_from
+from fingerprint import Chain
+from proxy.codecs import codec_of
 from proxy.generation import Generation
-from proxy.identity import namespace_of
 from proxy.inflight import InFlight, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
-from core.ndjson import reply_message
 from proxy.placement import Lease, SlotPool, Want
 from proxy.relay import respond
+from proxy.repair import Applied
 from proxy.settings import Settings
-from proxy.validation import (
-    Api,
-    ClientRequest,
-    Endpoint,
-    parse_native_request,
-    parse_request,
-    read_body,
-)
+from proxy.validation import ClientRequest
 
 # A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
 # a prefix break: the engine re-read a conversation it already held.
@@ -56,10 +49,10 @@ PREFIX_BREAK_SLACK = 256
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent")
 
-# Plan.extras key: for an engine that reports no cached count (Ollama before 0.33.3), a
-# function from the request's figures to the planner's estimate (None: no estimate). An
-# estimate goes to the metrics labelled source="estimated" and to the log, never to a client.
-CACHED_ESTIMATE = "cached_estimate"
+# For an engine that reports no cached count (Ollama before 0.33.3): a function from the
+# request's figures to the planner's estimate. An estimate goes to the metrics labelled
+# source="estimated" and to the log, never to a client.
+CachedEstimate = Callable[[Figures], int]
 
 
 @dataclass(slots=True)
@@ -69,9 +62,22 @@ class Backend:
     info: EngineInfo | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A request as every planner sees it: parsed once (by the router), with its headers,
+    its tenant namespace and, when the router weighed several lanes, why it chose this one."""
+
+    client: ClientRequest
+    headers: Mapping[str, str]
+    namespace: str
+    placement: str | None = None  # the router's reason, when it chose among lanes
+    moved: bool = False  # the session's home lane was down or overloaded: it moved
+
+
 @dataclass(slots=True)
 class Plan:
-    """What to send and where: the (possibly rewritten) body, and the slot it needs."""
+    """What to send and where: the (possibly rewritten) body, and the slot it needs; and,
+    typed, everything the pipeline reads back at commit."""
 
     path: str
     body: dict[str, Any]
@@ -80,7 +86,12 @@ class Plan:
     want: Want | None = None  # a slot lease to take first; None lets the engine choose
     slot: int | None = None  # the slot the request ran in, once known
     notes: dict[str, Any] = field(default_factory=dict)  # decision fields for the log line
-    extras: dict[str, Any] = field(default_factory=dict)  # planner-private state
+    chain: Chain | None = None  # the request's fingerprint chain, committed with the turn
+    digests: Sequence[bytes] | None = None  # digests of the forwarded messages
+    repairs: tuple[Applied, ...] = ()  # the repair policies that rewrote the body
+    cached_estimate: CachedEstimate | None = None  # engines that report no cached count
+    engine_resumed: bool = False  # the engine is believed to hold the session's prompt
+    lane: str | None = None  # the backend (lane label) the request goes to
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +103,7 @@ class Outcome:
 
 
 class Planner(Protocol):
-    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan: ...
+    async def plan(self, incoming: Incoming, backend: Backend) -> Plan: ...
 
     async def on_lease(self, plan: Plan, lease: Lease) -> None:
         """Called when the plan's slot lease is granted, before the request is sent (a
@@ -104,8 +115,8 @@ class Planner(Protocol):
 class PassThroughPlanner:
     """Forward the client's body as it came; no identity, no repair, no placement."""
 
-    async def plan(self, client: ClientRequest, request: Request, backend: Backend) -> Plan:
-        return Plan(path=client.path, body=client.body)
+    async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
+        return Plan(path=incoming.client.path, body=incoming.client.body)
 
     async def on_lease(self, plan: Plan, lease: Lease) -> None:
         return None
@@ -147,50 +158,50 @@ class SlotLedger:
 
 
 class ProxyService:
-    def __init__(self, settings: Settings, backend: Backend, metrics: Metrics,
-                 planner: Planner | None = None, logger: logging.Logger | None = None,
-                 pool: SlotPool | None = None) -> None:
+    """One lane's request path: its engine (``backend``), slot pool and planner. The
+    planner and pool start as pass-through and no slots; the lane switches on what its
+    engine supports once the engine answers (``proxy.engines``)."""
+
+    def __init__(self, settings: Settings, backend: Backend, metrics: Metrics, *,
+                 logger: logging.Logger | None = None, inflight: InFlight | None = None,
+                 on_upstream_lost: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.metrics = metrics
-        self.planner: Planner = planner or PassThroughPlanner()
-        self.pool = pool
+        self.planner: Planner = PassThroughPlanner()
+        self.pool: SlotPool | None = None
         self.ledger = SlotLedger()
         self.log = logger or get_logger()
         self.generations: set[Generation] = set()
-        self.inflight = InFlight()
+        # Shared by every lane (and, with --redis, every replica): a retry joins the
+        # generation already running wherever it runs.
+        self.inflight = inflight if inflight is not None else InFlight()
         self._background: set[asyncio.Task[None]] = set()
         # Called when a generation loses its engine connection (the engine watch probes at
         # once: a killed engine's sessions are marked unverified within a probe).
-        self.on_upstream_lost: Callable[[], None] | None = None
+        self.on_upstream_lost = on_upstream_lost
 
-    async def handle(self, request: Request, endpoint: Endpoint, api: Api = "openai",
-                     raw: bytes | None = None) -> Response:
-        """``raw``: the body, when the caller has already read it (within the limit)."""
+    async def handle(self, request: Request, incoming: Incoming) -> Response:
+        """One parsed request (the router read and parsed it) through plan, generation and
+        relay; ``request`` is only the client connection the answer goes to."""
         arrival = time.monotonic()
+        client = incoming.client
         try:
-            if raw is None:
-                raw = await read_body(request.stream(), request.headers.get("content-length"),
-                                      self.settings.max_body_bytes)
-            parse = parse_native_request if api == "ollama" else parse_request
-            client = parse(raw, endpoint, request.url.path,
-                           max_messages=self.settings.max_messages)
-            # Another wire format is another answer: never joined across APIs.
-            key = inflight_key(namespace_of(request.headers),
-                               endpoint if api == "openai" else f"{api}-{endpoint}", client.body)
+            # Another wire format is another answer: never joined across codecs.
+            key = inflight_key(incoming.namespace, codec_of(client).name, client.body)
             claimed = await self.inflight.claim(key)
             if isinstance(claimed, Generation):
                 return await self._join(request, client, claimed, arrival)
             reservation = claimed
             try:
-                plan = await self.planner.plan(client, request, self.backend)
+                plan = await self.planner.plan(incoming, self.backend)
             except BaseException:
                 self.inflight.release(key, reservation)
                 raise
         except ProxyError as exc:
-            self.metrics.requests.labels(endpoint, _outcome(exc)).inc()
+            self.metrics.requests.labels(client.endpoint, _outcome(exc)).inc()
             raise
-        plan.headers = {**_forwarded_headers(request.headers), **plan.headers}
+        plan.headers = {**_forwarded_headers(incoming.headers), **plan.headers}
         generation = self._start(plan, client, arrival)
         self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
@@ -279,10 +290,7 @@ class ProxyService:
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint).observe(ttft)
-        reply = None
-        if outcome == "ok" and client.endpoint == "chat":
-            reply = _native_reply_of(generation) if client.api == "ollama" else _reply_of(
-                generation)
+        reply = codec_of(client).reply(generation.frames) if outcome == "ok" else None
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
                                           round(ttft * 1000, 1) if ttft is not None else None,
                                           reply))
@@ -356,27 +364,10 @@ class ProxyService:
 
 def _estimated_cached(plan: Plan, figures: Figures) -> int | None:
     """The planner's estimate of the cached tokens, when the engine reported none."""
-    estimate = plan.extras.get(CACHED_ESTIMATE)
-    if figures.cached_tokens is not None or not callable(estimate):
+    estimate = plan.cached_estimate
+    if figures.cached_tokens is not None or estimate is None:
         return None
-    value = estimate(figures)
-    if not isinstance(value, int):
-        return None
-    return max(0, min(value, figures.prompt_tokens or 0))
-
-
-def _native_reply_of(generation: Generation) -> Mapping[str, Any] | None:
-    """The assistant message of an Ollama ``/api/chat`` stream."""
-    return reply_message([f.data for f in generation.frames if f.data is not None
-                          and f.kind in (FrameKind.CHUNK, FrameKind.DONE)])
-
-
-def _reply_of(generation: Generation) -> Mapping[str, Any] | None:
-    choices = aggregate(generation.frames, chat=True).get("choices") or []
-    if not choices or not isinstance(choices[0].get("message"), Mapping):
-        return None
-    message: Mapping[str, Any] = choices[0]["message"]
-    return message
+    return max(0, min(estimate(figures), figures.prompt_tokens or 0))
 
 
 def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from fingerprint import Chain
 from proxy.history import Committed
+from proxy.repair import RepairMemory
 
 Kind = Literal["main", "side"]
 TURN_HISTORY = 64  # per-session turn figures kept for the /sessions view and status page
@@ -29,6 +30,15 @@ class TurnFigures:
     prompt_tokens: int | None
     cached_tokens: int | None
     ttft_ms: float | None
+
+
+@dataclass(slots=True)
+class EngineCache:
+    """What the proxy believes an engine that chooses its own slots (Ollama) holds for one
+    session."""
+
+    model: str | None = None
+    cold: str | None = None  # why its cache is assumed gone; None while it is believed warm
 
 
 @dataclass(slots=True)
@@ -51,7 +61,10 @@ class Session:
     # What the engine produced for this session, for history repair: reasoning and
     # tool-call argument text keyed by what the client sends back.
     outputs: dict[str, Any] = field(default_factory=dict)
-    pinned: dict[str, Any] = field(default_factory=dict)
+    # What repair keeps besides the committed history (the reply returned, the trim cut).
+    repair: RepairMemory = field(default_factory=RepairMemory)
+    engine_cache: EngineCache = field(default_factory=EngineCache)
+    shared_version: int = 0  # with --redis: the version of the shared record last seen
 
     def view(self) -> dict[str, Any]:
         return {

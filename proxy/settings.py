@@ -16,6 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
 
+EMBEDDED = "embedded"  # an upstream value: the in-process engine as one lane among others
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PREFIXPIN_", extra="forbid", frozen=True)
 
@@ -68,6 +71,11 @@ class Settings(BaseSettings):
     park_min_tokens: int = Field(256, ge=1, description="Smaller histories are not parked")
     park_verify: Literal["full", "tokens"] = Field(
         "full", description="Check a park file's whole content (blake3) or its token list")
+    park_shared: bool = Field(False, description="Every engine's --slot-save-path is "
+                              "park_dir (one directory for all engines and replicas): a "
+                              "file one engine saved may be restored into another")
+    park_index_dir: Path | None = Field(None, description="prefixpin's own directory for the "
+                                        "sqlite park index (without --redis)")
 
     # Several backends and replicas (README: "Several backends and replicas").
     upstreams: list[str] = Field(default_factory=list,
@@ -98,6 +106,12 @@ class Settings(BaseSettings):
         """Every engine base URL, ``upstream`` first, each once."""
         urls = [self.upstream] if self.upstream is not None else []
         return list(dict.fromkeys([*urls, *self.upstreams]))
+
+    def embedded(self) -> bool:
+        """The in-process engine is one of the lanes: no upstream at all, or ``embedded``
+        given among them."""
+        urls = self.backend_urls()
+        return not urls or EMBEDDED in urls
 
     def several(self) -> bool:
         """Several backends, or state shared with other replicas: the routed path."""

@@ -80,6 +80,9 @@ class ClientRequest:
     wants_usage: bool
     wants_progress: bool
     api: Api = "openai"
+    # Ollama's model load or unload request (no messages, an empty prompt): forwarded as it
+    # came, its body unchecked, never generated from.
+    lifecycle: bool = False
 
 
 async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
@@ -120,9 +123,13 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
 def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
                          max_messages: int) -> ClientRequest:
     """An Ollama native body (``/api/chat``: messages; ``/api/generate``: a prompt). A
-    body with no messages or an empty prompt is a model load/unload request, which the
-    caller passes through before this point."""
+    body with no messages or an empty prompt (and no images) is a model load/unload
+    request: marked ``lifecycle``, the rest of its body unchecked (Ollama judges it)."""
     body = _parse_object(raw)
+    empty = not body.get("messages") if endpoint == "chat" else not body.get("prompt")
+    if empty and not body.get("images"):
+        return ClientRequest(endpoint, path, body, False, False, False, "ollama",
+                             lifecycle=True)
     _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
     if endpoint == "chat":
         _check_messages(body.get("messages"), max_messages)

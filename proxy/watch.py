@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from adapters.base import Adapter, EngineInfo
 from core.errors import UpstreamError, UpstreamTimeoutError
 from proxy.logs import log_event
-from proxy.service import ProxyService
+from proxy.metrics import Metrics
+from proxy.service import Backend
 
 RestartHook = Callable[[EngineInfo, EngineInfo], Awaitable[None]]
 LostHook = Callable[[str], None]  # called with the reason, once per loss
@@ -43,11 +44,11 @@ async def probe(adapter: Adapter, timeout_s: float) -> EngineInfo:
                                    "(PREFIXPIN_PROBE_TIMEOUT_S)") from None
 
 
-async def probe_until_ready(service: ProxyService, timeout_s: float, logger: logging.Logger,
+async def probe_until_ready(backend: Backend, metrics: Metrics, timeout_s: float,
+                            logger: logging.Logger,
                             on_failure: Callable[[], Awaitable[None] | None]) -> EngineInfo:
-    """Probe the service's engine every 2 s until it answers (``on_failure`` after each
+    """Probe the backend's engine every 2 s until it answers (``on_failure`` after each
     miss); its info is then the backend's, and the up gauge and the log say so."""
-    backend, metrics = service.backend, service.metrics
     while True:
         try:
             backend.info = await probe(backend.adapter, timeout_s)
@@ -68,11 +69,17 @@ async def probe_until_ready(service: ProxyService, timeout_s: float, logger: log
 
 
 class EngineWatch:
-    def __init__(self, service: ProxyService, interval_s: float, logger: logging.Logger, *,
+    """Built with its lane, before the engine first answers: requests that lose the engine
+    wake it (``suspect``), and the policies switched on later add their hooks."""
+
+    def __init__(self, backend: Backend, metrics: Metrics, *, interval_s: float,
+                 probe_timeout_s: float, logger: logging.Logger,
                  on_restart: list[RestartHook] | None = None,
                  on_lost: list[LostHook] | None = None) -> None:
-        self.service = service
+        self.backend = backend
+        self.metrics = metrics
         self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
         self.log = logger
         self.on_restart = on_restart or []
         self.on_lost = on_lost or []
@@ -91,10 +98,12 @@ class EngineWatch:
             self._wake.clear()
             await self.check()
 
-    async def check(self) -> None:
-        backend, metrics = self.service.backend, self.service.metrics
+    async def check(self) -> EngineInfo | UpstreamError:
+        """Probe now: the engine's info, or the error it failed with (a loss or a restart
+        runs the hooks, whoever asked: the watch's own tick or a health check)."""
+        backend, metrics = self.backend, self.metrics
         try:
-            info = await probe(backend.adapter, self.service.settings.probe_timeout_s)
+            info = await probe(backend.adapter, self.probe_timeout_s)
         except UpstreamError as exc:
             metrics.upstream_up.labels(backend.label).set(0)
             log_event(self.log, logging.WARNING, "upstream unreachable", upstream=backend.label,
@@ -103,14 +112,14 @@ class EngineWatch:
                 self.reachable = False
                 for lost in self.on_lost:
                     lost(f"engine unreachable ({exc.message})")
-            return
+            return exc
         metrics.upstream_up.labels(backend.label).set(1)
         self.reachable = True
         before, backend.info = backend.info, info
         if before is None or not restarted(before, info):
-            return
+            return info
         log_event(self.log, logging.WARNING, "engine restarted", upstream=backend.label,
                   start_time=info.start_time, slots=info.n_slots)
-        self.service.ledger.forget(backend.label)
         for hook in self.on_restart:
             await hook(before, info)
+        return info

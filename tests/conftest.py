@@ -1,15 +1,40 @@
-"""Shared fixtures. The anyio backend is asyncio (the proxy's own loop)."""
+"""Shared fixtures. The anyio backend is asyncio (the proxy's own loop).
+
+The real parts end-to-end tests need go through ``tests.rig.parts``: missing, they skip the
+test on a developer's machine and fail it under CI (``CI`` set).
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.rig.parts import require_chromium, require_llama_cpp, require_redis_server
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_server_binary() -> Path:
+    """Debian's redis-server (``pytest.mark.usefixtures`` it in the replica tests)."""
+    return require_redis_server()
+
+
+@pytest.fixture(scope="session")
+def chromium_binary() -> Path:
+    """Headless Chromium, for the status page test."""
+    return require_chromium()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # The ``embedded`` marker: the test runs the embedded engine, on llama-cpp-python.
+    if item.get_closest_marker("embedded") is not None:
+        require_llama_cpp()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,11 +1,15 @@
-"""Project-level checks: CI runs the README's test command, and the code type-checks and
-lints clean (mypy --strict, ruff)."""
+"""Project-level checks: CI runs the README's test command, the code type-checks and
+lints clean (mypy --strict, ruff), and the wheel holds the product and nothing of the
+tests (the test rig is tests/rig/, which product code never imports)."""
 
 from __future__ import annotations
 
+import ast
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +45,57 @@ def test_mypy_strict_is_clean() -> None:
     result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+PACKAGES = ("core", "proxy", "adapters", "fingerprint")
+
+
+def test_the_wheel_holds_the_packages_and_no_test_rig(tmp_path: Path) -> None:
+    """The wheel, built offline from a copy of the tree (tests/ and bench/ included, so
+    leaving them out is the packaging's doing): the four packages, the default model's
+    fetch, and no test rig, tests or benches."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", "test-artifacts",
+        ".*_cache", ".hypothesis"))
+    assert (source / "tests" / "rig").is_dir()
+    assert (source / "bench").is_dir()
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-q", "-w", str(tmp_path / "dist"), "."],
+        cwd=source, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = (tmp_path / "dist").glob("prefixpin-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(
+        ".dist-info")}
+    assert tops == set(PACKAGES)
+    assert {f"{package}/__init__.py" for package in PACKAGES} <= set(names)
+    assert "proxy/models.py" in names  # prefixpin serve's default model fetch
+    parts = {part.removesuffix(".py") for name in names for part in name.split("/")}
+    assert not parts & {"rig", "tests", "bench"}, sorted(parts & {"rig", "tests", "bench"})
+
+
+def test_product_code_never_imports_tests_or_bench() -> None:
+    """No module of the four packages imports tests (the rig among them) or bench."""
+    offenders = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {module}"
+                              for module in modules
+                              if module.split(".")[0] in ("tests", "bench")]
+    assert not offenders, offenders
+
+
+def test_the_dockerfile_copies_exactly_the_packages() -> None:
+    """The image installs from the packages alone (no tests, rig or benches), all of them."""
+    copied = re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert sorted(copied) == sorted(PACKAGES)

@@ -36,13 +36,13 @@ import orjson
 import redis
 
 from adapters.base import Frame, FrameKind, Progress
-from proxy.cluster.core import REPLICA_TTL_S, Cluster
 from core.errors import (
     GenerationCancelledError,
     ProxyError,
     UpstreamStatusError,
     UpstreamUnavailableError,
 )
+from proxy.cluster.core import REPLICA_TTL_S, Cluster
 from proxy.generation import Generation, Head
 from proxy.inflight import InFlight
 from proxy.logs import log_event

@@ -36,7 +36,6 @@ from proxy.logs import log_event
 from proxy.repair import RepairMemory
 from proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
 
-VERSION = "cluster_version"  # Session.pinned key: the version this replica last saw
 KEYLESS_CANDIDATES = 32  # most recent keyless sessions of a namespace read per request
 TTL_S = 24 * 3600
 
@@ -93,10 +92,31 @@ class SharedSessions:
             self.store.put(session)
         return len(stale)
 
+    async def fetch(self, session_id: str) -> Session | None:
+        """One session by id (``s:<id>``), into the local store when Redis holds a newer
+        version: parking saves a slot whose occupant another replica committed. Never
+        raises: Redis unreachable, or a record that does not decode, leaves the local copy
+        (None if there is none)."""
+        local = self.store.get(session_id)
+        errors: tuple[type[BaseException], ...] = (*self.cluster.errors, ValueError, TypeError,
+                                                    KeyError)
+        try:
+            raw = await self.cluster.r.get(self._record_key(session_id))
+            if raw is None:
+                return local
+            session = decode_session(orjson.loads(raw))
+        except errors as exc:
+            log_event(self.log, logging.WARNING, "shared session not read", session=session_id,
+                      error=str(exc))
+            return local
+        if local is not None and _version_of(local) >= _version_of(session):
+            return local
+        return self.store.put(session)
+
     def publish(self, session: Session) -> bool:
         """Write a committed session (synchronous: see the module docstring)."""
         version = _version_of(session) + 1
-        session.pinned[VERSION] = version
+        session.shared_version = version
         record = orjson.dumps(encode_session(session, version))
         try:
             written = self._publish(
@@ -113,11 +133,11 @@ class SharedSessions:
 def _version_of(session: Session | None) -> int:
     if session is None:
         return 0
-    return int(session.pinned.get(VERSION, 0))
+    return session.shared_version
 
 
 def encode_session(session: Session, version: int) -> dict[str, Any]:
-    memory = session.pinned.get("repair")
+    memory = session.repair
     return {
         "v": version, "id": session.id, "ns": session.namespace, "key": session.key,
         "kind": session.kind, "parent": session.parent, "pt": session.prompt_tokens,
@@ -127,8 +147,7 @@ def encode_session(session: Session, version: int) -> dict[str, Any]:
         "chain": _encode_chain(session.chain),
         "turns": [[t.at, t.decision, t.prompt_tokens, t.cached_tokens, t.ttft_ms]
                   for t in session.turns],
-        "repair": ({"last_reply": memory.last_reply, "cut": memory.cut}
-                   if isinstance(memory, RepairMemory) else None),
+        "repair": {"last_reply": memory.last_reply, "cut": memory.cut},
     }
 
 
@@ -148,9 +167,8 @@ def decode_session(data: Mapping[str, Any]) -> Session:
                           maxlen=TURN_HISTORY)
     repair = data.get("repair")
     if isinstance(repair, Mapping):
-        session.pinned["repair"] = RepairMemory(repair.get("last_reply"),
-                                                int(repair.get("cut") or 0))
-    session.pinned[VERSION] = int(data["v"])
+        session.repair = RepairMemory(repair.get("last_reply"), int(repair.get("cut") or 0))
+    session.shared_version = int(data["v"])
     return session
 
 

@@ -34,11 +34,12 @@ import orjson
 import redis
 
 from adapters.base import EngineInfo
-from proxy.backends import Load, SharedStateError
-from proxy.cluster.core import Cluster
 from core.errors import QueueTimeoutError
+from proxy.backends import Load
+from proxy.cluster.core import Cluster
 from proxy.logs import log_event
 from proxy.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
+from proxy.shared import SharedStateError
 
 LOCK_TTL_S = 15.0
 POLL_S = 0.05

@@ -9,13 +9,13 @@ from typing import Any
 import httpx
 import pytest
 
+from core.asgi_transport import StreamingASGITransport
 from proxy.affinity import AffinityPlanner
 from proxy.app import create_app
-from core.asgi_transport import StreamingASGITransport
-from proxy.rig.models import ensure_model
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
+from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.anyio
 

@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from proxy.app import create_app
 from proxy.http_limits import MAX_HEAD_BYTES, http_options
 from proxy.logs import JSONFormatter
-from proxy.rig.models import ensure_model
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread
 from tests.reporting import print_uncaptured
+from tests.rig.models import ensure_model
 
 SECRET = "sk-canary-4f1d9b7e2c0a"  # every request's bearer token: must never be logged
 AUTH = {"authorization": f"Bearer {SECRET}"}

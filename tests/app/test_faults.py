@@ -30,8 +30,8 @@ import httpx
 import pytest
 
 from adapters._http import send_with_stale_retry
-from proxy.app import create_app
 from core.asgi_transport import StreamingASGITransport
+from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread

@@ -102,7 +102,7 @@ async def test_tenants_never_join_each_other() -> None:
 async def test_identical_requests_arriving_together_share_one_generation() -> None:
     """Planning awaits (fingerprints run in a thread): requests that arrive in the same
     instant still find the first one's reservation and join it."""
-    from proxy.rig.models import ensure_model
+    from tests.rig.models import ensure_model
 
     async with running_proxy(slow_engine(), tokenizer=ensure_model("smollm2")) as (client,
                                                                                  engine):

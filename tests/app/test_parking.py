@@ -174,8 +174,13 @@ def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
     return [dict(getattr(r, "fields", {})) for r in caplog.records if r.getMessage() == name]
 
 
+def index_dir(park: Path) -> Path:
+    """prefixpin's own directory for the park index: beside the engine's, never in it."""
+    return park.with_name(f"{park.name}-prefixpin")
+
+
 def settings(park: Path, **more: Any) -> dict[str, Any]:
-    return {"park_dir": park, "park_min_tokens": 20, **more}
+    return {"park_dir": park, "park_index_dir": index_dir(park), "park_min_tokens": 20, **more}
 
 
 async def test_an_evicted_session_is_parked_and_restored_when_it_returns(
@@ -198,7 +203,8 @@ async def test_an_evicted_session_is_parked_and_restored_when_it_returns(
     assert cached(again) == prompt(first)  # all of it: the reply differs from the transcript
     assert "cache_prompt" not in engine.requests[-1]
     assert view["parking"]["files"] == 2
-    assert (tmp_path / INDEX_NAME).exists()
+    assert (index_dir(tmp_path) / INDEX_NAME).exists()
+    assert not (tmp_path / INDEX_NAME).exists()  # the engine's save directory holds files only
 
 
 async def test_a_rewound_request_never_restores(tmp_path: Path,
@@ -224,7 +230,7 @@ async def test_a_rewound_request_never_restores(tmp_path: Path,
 
 async def test_small_histories_are_not_parked(tmp_path: Path) -> None:
     engine = SlotFileFakeLlama(tmp_path)
-    async with running_proxy(engine, park_dir=tmp_path, park_min_tokens=500) as (client, _):
+    async with running_proxy(engine, **settings(tmp_path, park_min_tokens=500)) as (client, _):
         await ask(client, conversation("A", 1), "A")
         await ask(client, conversation("B", 1), "B")
         assert await metric(client, "prefixpin_parks_total", outcome="small") == 1
@@ -240,7 +246,7 @@ async def test_parking_off_switch(tmp_path: Path) -> None:
         await ask(client, conversation("B", 1), "B")
         again = await ask(client, conversation("A", 2), "A")
     assert engine.actions == []
-    assert not (tmp_path / INDEX_NAME).exists()
+    assert not (index_dir(tmp_path) / INDEX_NAME).exists()
     assert cached(again) < prompt(again) // 2
 
 
@@ -413,6 +419,17 @@ async def test_no_park_dir_means_parking_off_said_once(
     assert engine.actions == []
 
 
+async def test_a_shared_park_directory_needs_a_park_dir(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
+    async with running_proxy(engine, park_shared=True) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+    [off] = events(caplog, "parking off")
+    assert "--park-shared needs --park-dir" in off["reason"]
+    assert engine.actions == []
+
+
 async def test_a_park_dir_the_engine_does_not_write_to_turns_parking_off(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     engine_dir, proxy_dir = tmp_path / "engine", tmp_path / "proxy"
@@ -493,10 +510,10 @@ async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
     """The embedded llama.cpp engine (one slot): its files go to Settings.slot_dir(), the
     index beside them; A is parked when B comes, restored when A returns, and restored
     again by a new proxy after a restart (a clean shutdown parked it)."""
-    from proxy.app import create_app
     from core.asgi_transport import StreamingASGITransport
-    from proxy.rig.models import ensure_model
+    from proxy.app import create_app
     from proxy.settings import Settings
+    from tests.rig.models import ensure_model
 
     config = Settings(model=ensure_model("smollm2"), slots=1, ctx_size=2048, threads=2,
                       park_dir=tmp_path, park_min_tokens=64)

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from core.asgi_transport import StreamingASGITransport
+from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.testing.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.rig.models import ensure_model
 from tests.app.conftest import running_proxy
+from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.anyio
 

@@ -16,15 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from core.asgi_transport import StreamingASGITransport
-from proxy.rig.redis_process import RedisProcess, find_redis_server, run_redis_server
+from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = [pytest.mark.anyio,
-              pytest.mark.skipif(find_redis_server() is None,
-                                 reason="redis-server not installed (proxy.rig.redis_process)")]
+              pytest.mark.usefixtures("redis_server_binary")]
 
 URLS = ["http://engine-a:8080", "http://engine-b:8080"]
 _prefixes = itertools.count()

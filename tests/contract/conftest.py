@@ -23,9 +23,9 @@ from adapters.base import Adapter, UpstreamCall
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter
 from core.asgi_transport import StreamingASGITransport
-from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
-from proxy.rig.models import ensure_model
 from proxy.testing.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
+from tests.rig.llama_process import LlamaServerProcess, run_llama_server
+from tests.rig.models import ensure_model
 
 BATCH = 64
 TIMEOUT = httpx.Timeout(connect=5, read=300, write=60, pool=5)

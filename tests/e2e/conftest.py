@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from proxy.app import create_app
-from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
 from proxy.settings import Settings
 from proxy.testing.servers import serve_in_thread
+from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 
 @pytest.fixture(scope="session")

@@ -19,9 +19,9 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.rig.llama_process import LlamaServerProcess
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import stream_chat
+from tests.rig.llama_process import LlamaServerProcess
 
 pytestmark = pytest.mark.llama
 

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
-from proxy.rig.llama_build import ensure_llama_server
-from proxy.rig.llama_process import LlamaServerProcess, stop, wait_healthy
-from proxy.rig.models import ensure_model
 from proxy.testing.servers import free_port
+from tests.rig.llama_build import ensure_llama_server
+from tests.rig.llama_process import LlamaServerProcess, stop, wait_healthy
+from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.llama
 

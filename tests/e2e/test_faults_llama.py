@@ -24,12 +24,12 @@ import pytest
 
 from proxy.app import create_app
 from proxy.http_limits import http_options
-from proxy.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 from proxy.settings import Settings
 from proxy.testing.servers import serve_in_thread
 from proxy.testing.tcp_tap import run_tap
 from tests.e2e.helpers import filler
 from tests.reporting import print_uncaptured
+from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 
 pytestmark = pytest.mark.llama
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,10 +20,10 @@ import pytest
 
 from proxy.app import create_app
 from proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
-from proxy.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 from proxy.settings import Settings
 from proxy.testing.servers import serve_in_thread
 from tests.e2e.helpers import filler, stream_chat
+from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 
 pytestmark = pytest.mark.llama
 
@@ -53,7 +54,13 @@ def clean(engine: LlamaServerProcess, park_dir: Path) -> Path:
             path.unlink()
         else:
             path.rmdir()
+    shutil.rmtree(index_dir(park_dir), ignore_errors=True)
     return park_dir
+
+
+def index_dir(park_dir: Path) -> Path:
+    """prefixpin's own directory for the park index (not the engine's save directory)."""
+    return park_dir.with_name(f"{park_dir.name}-prefixpin")
 
 
 @contextmanager
@@ -61,7 +68,8 @@ def proxy(engine: LlamaServerProcess, park_dir: Path, *,
           on_start: Callable[[ParkManager], None] | None = None,
           **settings: Any) -> Iterator[str]:
     config = Settings(upstream=engine.url, park_dir=park_dir, health_interval_s=0.2,
-                      **{"park_min_tokens": 128, **settings})
+                      **{"park_min_tokens": 128, "park_index_dir": index_dir(park_dir),
+                         **settings})
     app = create_app(config)
     with serve_in_thread(app) as url:
         if on_start is not None:
@@ -185,7 +193,7 @@ def test_parked_sessions_are_restored_after_a_proxy_restart(
     with proxy(engine, clean) as url:
         first = three_sessions(url, sessions)
     assert len(park_files(clean)) == 3
-    assert (clean / INDEX_NAME).exists()
+    assert (index_dir(clean) / INDEX_NAME).exists()
     with proxy(engine, clean) as url:
         a2 = sessions.turn(url, "A", 2)
         c2 = sessions.turn(url, "C", 2)
@@ -264,7 +272,7 @@ def test_a_full_disk_budget_drops_the_least_recently_used_park(
         one_file = min(p.stat().st_size for p in park_files(clean))
     for path in park_files(clean):
         path.unlink()
-    (clean / INDEX_NAME).unlink()
+    (index_dir(clean) / INDEX_NAME).unlink()
     caplog.set_level(logging.INFO, "prefixpin")
     budget = int(one_file * 1.5)
     sessions = Sessions()

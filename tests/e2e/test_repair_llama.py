@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.rig.llama_process import LlamaServerProcess
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import filler
+from tests.rig.llama_process import LlamaServerProcess
 
 pytestmark = pytest.mark.llama
 

@@ -19,14 +19,13 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.rig.llama_process import LlamaServerProcess, run_llama_server
-from proxy.rig.redis_process import RedisProcess, find_redis_server, run_redis_server
-from proxy.rig.replica_process import ReplicaProcess, start_replica
 from tests.e2e.helpers import filler
+from tests.rig.llama_process import LlamaServerProcess, run_llama_server
+from tests.rig.redis_process import RedisProcess, run_redis_server
+from tests.rig.replica_process import ReplicaProcess, start_replica
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow,
-              pytest.mark.skipif(find_redis_server() is None,
-                                 reason="redis-server not installed (proxy.rig.redis_process)")]
+              pytest.mark.usefixtures("redis_server_binary")]
 
 REPLICA_ENV = {"PREFIXPIN_HEALTH_INTERVAL_S": "1", "PREFIXPIN_PARKING": "0"}
 

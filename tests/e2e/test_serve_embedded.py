@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from proxy.rig.replica_process import start_replica
+from proxy.models import DEFAULT_MODEL, model_path
+from tests.rig.parts import prepared
+from tests.rig.replica_process import start_replica
 
 pytestmark = [pytest.mark.embedded,
               pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")]
@@ -30,6 +32,8 @@ PREFIXPIN = Path(sys.executable).with_name("prefixpin")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # prefixpin fetches its default model on first start; under CI the prepare step has.
+    prepared(model_path(DEFAULT_MODEL), f"test model {DEFAULT_MODEL}")
     work = tmp_path_factory.mktemp("serve-embedded")
     handle = start_replica([], work / "serve.log", program=[str(PREFIXPIN)],
                            env={"PREFIXPIN_PARK_DIR": str(work / "park")},

@@ -12,18 +12,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.rig.browser import find_chromium, headless_args
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import filler
+from tests.rig.browser import find_chromium, headless_args
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.usefixtures("chromium_binary")]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 def chromium(args: list[str], profile: Path) -> str:
     binary = find_chromium()
-    assert binary is not None, "chromium missing: run `python -m proxy.rig prepare` as root"
+    assert binary is not None  # the chromium_binary fixture found it
     result = subprocess.run([str(binary), *headless_args(profile), *args], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

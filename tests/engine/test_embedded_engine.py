@@ -20,13 +20,15 @@ from typing import Any
 import httpx
 import pytest
 
-pytest.importorskip("llama_cpp")  # the embedded extra (it brings jinja2 too)
-
-from adapters._embedded_chat import ChatTemplate
-from adapters.embedded import EngineConfig, ModelLoadError, create_engine_app
-from proxy.rig.llama_process import run_llama_server
-from proxy.rig.models import ensure_model
 from proxy.testing.servers import serve_in_thread
+from tests.rig.llama_process import run_llama_server
+from tests.rig.models import ensure_model
+from tests.rig.parts import require_llama_cpp
+
+require_llama_cpp()  # the embedded extra (it brings jinja2 too): skips, or fails under CI
+
+from adapters.embedded import EngineConfig, ModelLoadError, create_engine_app  # noqa: E402
+from adapters.embedded.chat import ChatTemplate  # noqa: E402
 
 pytestmark = pytest.mark.embedded
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from fingerprint.tokenizer import ModelTokenizer, load_tokenizer
-from proxy.rig.llama_build import ensure_llama_server
-from proxy.rig.models import ensure_model
 from proxy.testing.servers import free_port
+from tests.rig.llama_build import ensure_llama_server
+from tests.rig.models import ensure_model
 
 RIG_MODELS = ("smollm2", "gemma3")
 

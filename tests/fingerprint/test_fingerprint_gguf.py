@@ -10,7 +10,7 @@ import gguf
 import pytest
 
 from fingerprint._gguf import GgufFormatError, read_metadata
-from proxy.rig.models import ensure_model
+from tests.rig.models import ensure_model
 
 SCALARS: list[tuple[str, Any]] = [
     ("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300), ("uint32", 4_000_000_000),

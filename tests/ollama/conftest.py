@@ -19,8 +19,8 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 
-from proxy.app import create_app
 from core.asgi_transport import StreamingASGITransport
+from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.testing.fake_ollama import (
     FakeModel,

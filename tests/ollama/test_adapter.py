@@ -25,15 +25,15 @@ from starlette.routing import Route
 
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
-from proxy.app import create_app
 from core.asgi_transport import StreamingASGITransport
 from core.errors import UpstreamProtocolError
+from proxy.app import create_app
 from proxy.ollama import OllamaPlanner
-from proxy.rig.llama_process import run_llama_server
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaServer
 from proxy.testing.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama
 from proxy.testing.servers import free_port
+from tests.rig.llama_process import run_llama_server
 
 from .conftest import MODEL, fake_config
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from adapters._openai_sse import classify
 from adapters.base import Frame
-from proxy.aggregate import aggregate
 from core.sse import SSEDecoder
+from proxy.aggregate import aggregate
 
 
 def frames(*payloads: dict[str, Any] | str) -> list[Frame]:

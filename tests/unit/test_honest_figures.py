@@ -24,20 +24,20 @@ from typing import Any, cast
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from starlette.requests import Request
 
 from adapters._openai_sse import parse_progress
 from adapters.base import Capabilities, Frame, FrameKind, Progress
+from core.figures import Figures, figures_from, with_cached_tokens
 from proxy.affinity import AffinityPlanner
 from proxy.aggregate import aggregate
-from core.figures import Figures, figures_from, with_cached_tokens
 from proxy.generation import Generation
 from proxy.history import Committed, canonical, decide, digest
+from proxy.identity import namespace_of
 from proxy.metrics import Metrics
 from proxy.placement import SlotPool
 from proxy.relay import _ensure_usage, heartbeat_text
 from proxy.repair import RepairConfig, Repairer
-from proxy.service import PREFIX_BREAK_SLACK, Backend, Outcome, SlotLedger
+from proxy.service import PREFIX_BREAK_SLACK, Backend, Incoming, Outcome, SlotLedger
 from proxy.sessions import SessionStore
 from proxy.validation import parse_request
 
@@ -292,11 +292,6 @@ def test_prompt_verdict_reasons_speak_of_characters_not_messages(
 
 # -- the planner's decisions ------------------------------------------------------------
 
-def request_with(headers: dict[str, str]) -> Request:
-    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
-                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
-
-
 class _Adapter:
     name = "stub"
     capabilities = Capabilities(slots=True)
@@ -330,7 +325,8 @@ async def _run_planner(repair: bool, turns: list[tuple[str | None, tuple[
             client = parse_request(json.dumps({"messages": messages}).encode(), "chat",
                                    "/v1/chat/completions", max_messages=100)
             before = {s.id: s.committed for s in store}
-            plan = await planner.plan(client, request_with(headers), backend)
+            plan = await planner.plan(Incoming(client, headers, namespace_of(headers)),
+                                      backend)
             session = store.get(plan.session or "")
             assert session is not None
             _check_decision(session.last_decision, session.last_reason, before, session.id,

@@ -7,12 +7,14 @@ import sqlite3
 import struct
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adapters.base import EngineInfo
 from proxy.history import Committed
 from proxy.parking import (
+    DEFAULT_INDEX_ROOT,
     INDEX_NAME,
     SCHEMA_VERSION,
     SLOT_FILE_MAGIC,
@@ -21,10 +23,13 @@ from proxy.parking import (
     ParkIndex,
     ParkRecord,
     SlotFileError,
+    SqliteParkIndex,
     engine_limits,
     file_digest,
+    index_dir,
     parse_header,
     read_slot_tokens,
+    scope_of,
     tokens_digest,
     unpack_tokens,
 )
@@ -222,3 +227,74 @@ def test_notes_name_the_ram_cache_and_idle_slot_clearing() -> None:
     assert "--cache-ram 8192 MiB" in notes
     assert "empties idle slots" in notes
     assert "no limit" in " ".join(EngineLimits(cache_ram_mib=-1).notes())
+
+
+# ---------------------------------------------------------------- where the sqlite index lives
+
+def test_the_sqlite_index_lives_in_prefixpins_own_directory(tmp_path: Path) -> None:
+    """Never in the engine's save directory: --park-index-dir, else one directory per park
+    directory under ~/.cache/prefixpin/park-index; the embedded engine's beside its slots."""
+    engine_dir = tmp_path / "engine-slots"
+    own = tmp_path / "prefixpin"
+    assert index_dir(Settings(park_index_dir=own), info(), engine_dir) == own
+    default = index_dir(Settings(), info(), engine_dir)
+    assert default.parent == DEFAULT_INDEX_ROOT
+    assert engine_dir not in (default, *default.parents)
+    assert index_dir(Settings(), info(), engine_dir) == default  # stable across restarts
+    assert index_dir(Settings(), info(), tmp_path / "other") != default
+    embedded = tmp_path / "park" / "slots"
+    assert index_dir(Settings(), info(engine="embedded"), embedded) == tmp_path / "park"
+    with closing(SqliteParkIndex.in_directory(own)) as index:
+        index.insert(record("a"))
+    assert (own / INDEX_NAME).is_file()
+    assert not engine_dir.exists()
+
+
+def test_sqlite_scopes_keep_each_directory_apart(tmp_path: Path) -> None:
+    def at(park_id: str, lane: str, shared: bool = False, **more: Any) -> ParkRecord:
+        base = record(park_id, **more)
+        return ParkRecord(**{**{f: getattr(base, f) for f in ParkRecord.__slots__},
+                             "lane": lane, "shared": shared})
+
+    with closing(SqliteParkIndex.in_directory(tmp_path)) as index:
+        index.insert(at("a", "e1:1", last_use=3.0, size=100))
+        index.insert(at("b", "e2:2", last_use=1.0, size=200))
+        index.insert(at("c", "e2:2", shared=True, last_use=2.0, size=400))
+        assert [r.park_id for r in index.oldest_first(scope_of("e1:1", False))] == ["a"]
+        assert [r.park_id for r in index.oldest_first(scope_of("e1:1", True))] == ["c"]
+        assert index.total_bytes(scope_of("e2:2", False)) == 200
+        assert index.count(scope_of("e2:2", False)) == 1
+        assert index.total_bytes() == 700
+        assert index.filenames() == {"pp-a.bin", "pp-b.bin", "pp-c.bin"}
+        back = index.get("c")
+        assert back is not None
+        assert (back.lane, back.shared, back.scope) == ("e2:2", True, "shared")
+
+
+def test_an_owner_is_this_process_s_session_only(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --redis session ids restart with the process ("s1" again): a park another
+    run of the proxy owned reads as ownerless, never as the new "s1"'s."""
+    path = tmp_path / INDEX_NAME
+    base = record("a")
+    with closing(ParkIndex.open(path)) as index:
+        index.insert(ParkRecord(**{**{f: getattr(base, f) for f in ParkRecord.__slots__},
+                                   "owner": "s1"}))
+        index.insert(ParkRecord(**{**{f: getattr(base, f) for f in ParkRecord.__slots__},
+                                   "park_id": "b", "filename": "pp-b.bin", "owner": "s1"}))
+        owned = index.owned_by("s1")
+        assert owned is not None
+        assert owned.park_id == "b"  # one park per session: the latest
+        first = index.get("a")
+        assert first is not None
+        assert first.owner is None
+    monkeypatch.setattr("proxy.parking.index._PROCESS", "another-run")
+    with closing(ParkIndex.open(path)) as index:
+        assert index.owned_by("s1") is None
+        again = index.get("b")
+        assert again is not None
+        assert again.owner is None
+        index.set_owner("b", "s1")
+        owned = index.owned_by("s1")
+        assert owned is not None
+        assert owned.park_id == "b"

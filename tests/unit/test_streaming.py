@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from proxy.http_limits import http_options
 from core.streaming import StreamResponse
+from proxy.http_limits import http_options
 from proxy.testing.servers import serve_in_thread
 
 

@@ -6,10 +6,10 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from adapters._embedded_errors import ApiError
-from adapters._embedded_generate import Event, Failed, Finished, GenerationTask, run_generation
-from adapters._embedded_llama import LlamaModel
-from adapters._embedded_slots import Slot
+from adapters.embedded.errors import ApiError
+from adapters.embedded.generate import Event, Failed, Finished, GenerationTask, run_generation
+from adapters.embedded.llama import LlamaModel
+from adapters.embedded.slots import Slot
 
 
 class Job:

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from adapters._embedded_context import Sampler, SamplingParams, SlotContext
-from adapters._embedded_errors import ApiError, EngineBackendError
-from adapters._embedded_llama import LlamaModel
+from adapters.embedded.context import Sampler, SamplingParams, SlotContext
+from adapters.embedded.errors import ApiError, EngineBackendError
+from adapters.embedded.llama import LlamaModel
 
 STOP_NONE, STOP_EOS, STOP_WORD, STOP_LIMIT = "none", "eos", "word", "limit"
 

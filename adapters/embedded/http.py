@@ -10,7 +10,6 @@ While a request waits for a slot or for its result, a client disconnect cancels 
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import string
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -20,29 +19,30 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from adapters._embedded_errors import ApiError
-from adapters._embedded_facts import (
+from adapters.embedded.errors import ApiError
+from adapters.embedded.facts import (
     fs_validate_filename,
     metrics_text,
     server_models,
     server_props,
 )
-from adapters._embedded_generate import STOP_LIMIT, Event, Failed, Finished, SlotStats
-from adapters._embedded_request import CompletionOptions, parse_json_body, parse_options
-from adapters._embedded_wire import (
+from adapters.embedded.generate import STOP_LIMIT, Event, Failed, Finished, SlotStats
+from adapters.embedded.job import Job
+from adapters.embedded.request import CompletionOptions, parse_json_body, parse_options
+from adapters.embedded.wire import (
     SSE_DONE,
     ChatRenderer,
     Renderer,
     ResultMeta,
     TextRenderer,
+    compact_json,
     is_last,
     sse,
 )
 from core.streaming import wait_disconnect
 
-if TYPE_CHECKING:
-    from adapters._embedded_job import Job
-    from adapters.embedded import EmbeddedEngine
+if TYPE_CHECKING:  # adapter imports this module (build_routes)
+    from adapters.embedded.adapter import EmbeddedEngine
 
 
 T = TypeVar("T")
@@ -64,7 +64,7 @@ class _Json(JSONResponse):
     media_type = "application/json; charset=utf-8"
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return compact_json(content).encode("utf-8")
 
 
 def error_response(error: ApiError) -> Response:

@@ -1,4 +1,5 @@
-"""The embedded engine: llama.cpp in process (llama-cpp-python), speaking llama-server's HTTP.
+"""The embedded engine itself, its Starlette app and its adapter: llama.cpp in process
+(llama-cpp-python), speaking llama-server's HTTP.
 
 ``create_engine_app(config)`` returns a Starlette app that answers the llama-server
 endpoints the proxy uses, with the same paths, JSON shapes and cache figures, so the proxy
@@ -57,21 +58,20 @@ from typing import TextIO
 import httpx
 from starlette.applications import Starlette
 
-from adapters._embedded_context import SlotContext
-from adapters._embedded_errors import (
+from adapters.embedded.context import SlotContext
+from adapters.embedded.errors import (
     ApiError,
     ContextSizeError,
-    EmbeddedEngineError,
     EngineBackendError,
     ModelLoadError,
 )
-from adapters._embedded_facts import METRIC_HELP
-from adapters._embedded_generate import GenerationTask
-from adapters._embedded_http import build_routes
-from adapters._embedded_job import Job
-from adapters._embedded_llama import LlamaModel, check_gguf_file, llama_log, load_bindings
-from adapters._embedded_request import CompletionOptions
-from adapters._embedded_slots import (
+from adapters.embedded.facts import METRIC_HELP
+from adapters.embedded.generate import GenerationTask
+from adapters.embedded.http import build_routes
+from adapters.embedded.job import Job
+from adapters.embedded.llama import LlamaModel, check_gguf_file, llama_log, load_bindings
+from adapters.embedded.request import CompletionOptions
+from adapters.embedded.slots import (
     Slot,
     SlotPool,
     erase_slot,
@@ -82,15 +82,7 @@ from adapters._embedded_slots import (
 from adapters.llama_server import LlamaServerAdapter
 from core.asgi_transport import StreamingASGITransport
 
-__all__ = [
-    "ApiError",
-    "EmbeddedEngine",
-    "EmbeddedEngineError",
-    "EngineBackendError",
-    "EngineConfig",
-    "ModelLoadError",
-    "create_engine_app",
-]
+__all__ = ["EmbeddedAdapter", "EmbeddedEngine", "EngineConfig", "create_engine_app"]
 
 
 def _default_threads() -> int:
@@ -165,7 +157,7 @@ class EmbeddedEngine:
         self.info = self.model.info
         self.pool = SlotPool(self._create_slots(config))
         # jinja2 comes with the embedded extra: imported once that extra is known present
-        from adapters._embedded_chat import ChatTemplate
+        from adapters.embedded.chat import ChatTemplate
 
         self.template = ChatTemplate(self.info.chat_template, bos_token=self.info.bos_token,
                                      eos_token=self.info.eos_token,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from proxy.rig._process import free_port, kill_process, log_tail, stop_process
-from proxy.rig.llama_build import ensure_llama_server
-from proxy.rig.models import ensure_model
+from tests.rig._process import free_port, kill_process, log_tail, stop_process
+from tests.rig.llama_build import ensure_llama_server
+from tests.rig.models import ensure_model
 
 
 @dataclass(slots=True)

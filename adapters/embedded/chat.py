@@ -24,7 +24,8 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from adapters._embedded_errors import ApiError
+from adapters.embedded.errors import ApiError
+from adapters.embedded.wire import compact_json
 
 # llama-server's fallback when a GGUF carries no template (common/chat.cpp, CHATML_TEMPLATE_SRC).
 CHATML_TEMPLATE = (
@@ -57,11 +58,6 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _compact_json(value: Any) -> str:
-    # nlohmann's dump(): no spaces, UTF-8 kept
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 def _content_text(content: Any) -> str:
     if content is None:
         return ""
@@ -69,7 +65,7 @@ def _content_text(content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise ApiError("Invalid 'content' type: expected string or array, got "
-                       + _compact_json(content))
+                       + compact_json(content))
     texts = [part.get("text", "") for part in content
              if isinstance(part, dict) and part.get("type") == "text"]
     return "\n".join(str(text) for text in texts)
@@ -78,13 +74,13 @@ def _content_text(content: Any) -> str:
 def _tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     function = call.get("function") or {}
     if "name" not in function:
-        raise ApiError("Missing tool call name: " + _compact_json(call))
+        raise ApiError("Missing tool call name: " + compact_json(call))
     arguments = function.get("arguments", "")
     normalized: dict[str, Any] = {
         "type": "function",
         "function": {
             "name": function["name"],
-            "arguments": arguments if isinstance(arguments, str) else _compact_json(arguments),
+            "arguments": arguments if isinstance(arguments, str) else compact_json(arguments),
         },
     }
     if call.get("id"):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.rig._process import apt_install, free_port, log_tail, stop_process
+from tests.rig._process import apt_install, free_port, log_tail, stop_process
 
 BINARY = "redis-server"
 

@@ -13,10 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from adapters._embedded_context import DEFAULT_SEED, SamplingParams
-from adapters._embedded_errors import ApiError
+from adapters.embedded.context import SamplingParams
+from adapters.embedded.errors import ApiError
 
 T = TypeVar("T")
+
+_DEFAULT_SAMPLING = SamplingParams()  # llama-server's defaults, the fallback for every field
 
 
 def field(body: Mapping[str, Any], key: str, default: T) -> T:
@@ -118,10 +120,10 @@ def parse_options(body: Mapping[str, Any]) -> CompletionOptions:
         n_predict=_n_predict(body),
         stop=_stop_words(body),
         sampling=SamplingParams(
-            temperature=field(body, "temperature", 0.8),
-            top_k=field(body, "top_k", 40),
-            top_p=field(body, "top_p", 0.95),
-            min_p=field(body, "min_p", 0.05),
-            seed=field(body, "seed", DEFAULT_SEED),
+            temperature=field(body, "temperature", _DEFAULT_SAMPLING.temperature),
+            top_k=field(body, "top_k", _DEFAULT_SAMPLING.top_k),
+            top_p=field(body, "top_p", _DEFAULT_SAMPLING.top_p),
+            min_p=field(body, "min_p", _DEFAULT_SAMPLING.min_p),
+            seed=field(body, "seed", _DEFAULT_SAMPLING.seed),
         ),
     )

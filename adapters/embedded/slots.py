@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from adapters._embedded_context import SlotContext
-from adapters._embedded_errors import ApiError, EngineBackendError
-from adapters._embedded_generate import SlotState, SlotStats, common_prefix
-from adapters._embedded_llama import LlamaModel
+from adapters.embedded.context import SlotContext
+from adapters.embedded.errors import ApiError, EngineBackendError
+from adapters.embedded.generate import SlotState, SlotStats, common_prefix
+from adapters.embedded.llama import LlamaModel
 
 # --slot-prompt-similarity default: reuse a slot only if it holds > 10 % of the new prompt.
 SLOT_PROMPT_SIMILARITY = 0.10

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from adapters._embedded_generate import (
+from adapters.embedded.generate import (
     STOP_EOS,
     STOP_WORD,
     Event,
@@ -34,9 +34,14 @@ from adapters._embedded_generate import (
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def compact_json(value: object) -> str:
+    """JSON as nlohmann's ``dump()`` writes it: no spaces, UTF-8 kept (not ``\\u`` escapes)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: object) -> str:
-    # llama-server's format_oai_sse; ensure_ascii=False as nlohmann's dump keeps UTF-8
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # llama-server's format_oai_sse
+    return f"data: {compact_json(payload)}\n\n"
 
 
 def finish_reason(stop_type: str) -> str:

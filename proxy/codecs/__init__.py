@@ -1,0 +1,125 @@
+"""Client wire formats: one codec per format, registered once.
+
+A *codec* is everything the proxy does differently for one API a client speaks, and
+nothing else (``proxy.codecs.base.Codec``):
+
+- ``parse``: the body as a ``ClientRequest``, or the ``ClientError`` naming the field;
+- the streamed answer: ``media_type``, ``headers``, ``opening`` (the first bytes, sent
+  with the headers), ``stream`` (the per-client encoder of the engine's frames, with
+  ``flush`` for what it held back), ``heartbeat`` (the keep-alive after silence: an SSE
+  comment, an NDJSON leading space) and ``late_error`` (the error after the headers);
+- ``whole``: the one body of a ``stream: false`` client, usage filled in;
+- ``error_response``: the error before any byte, in this format's shape;
+- where usage and cached tokens live, and their filling from the engine's figures (inside
+  ``stream`` and ``whole``);
+- ``reply``: the assistant message of a finished generation (the turn the planner commits).
+
+What is the same for every format is not a codec's: the pacing loop (frames batched as they
+come, a heartbeat after ``--heartbeat`` s of silence), the first-byte budget (an engine
+error within 60% of ``--first-byte`` keeps its status: ``codec.error_response``; after that
+the headers and ``codec.opening`` go out), the wait of a non-streamed client (499 when it
+leaves), figures, metrics, join in flight. That is ``proxy.relay.respond``, which looks the
+codec up with ``codec_of(client)`` and never asks which API it is.
+
+Registered today:
+
+    name                api     endpoint     routes
+    chat                openai  chat         /v1/chat/completions, /chat/completions
+    completions         openai  completions  /v1/completions, /completions
+    ollama-chat         ollama  chat         /api/chat
+    ollama-completions  ollama  completions  /api/generate
+
+Adding an API (say Anthropic Messages, ``/v1/messages``; OpenAI Responses,
+``/v1/responses``) is adding a codec, not a branch:
+
+1. Name the format in ``proxy.validation.Api`` (``"anthropic"``, ``"responses"``); both are
+   conversations, so ``endpoint`` stays ``"chat"`` (what the planner, repair and the
+   metrics key on).
+2. Write ``proxy/codecs/<format>.py`` with a class that has every member of ``Codec``
+   (mypy checks it at ``register``). ``parse`` may reuse ``proxy.validation``'s checks
+   (structure, messages, field types); the ``ClientRequest`` it returns carries ``api``
+   and its ``body`` is what the planner forwards to the engine. The planner, history
+   repair and fingerprints read ``body["messages"]`` (or ``body["prompt"]``) as OpenAI or
+   Ollama messages: a format that keeps its conversation elsewhere (Anthropic's top-level
+   ``system`` and content blocks, Responses' ``input`` items) needs them taught that
+   shape too; that part is not the codec's. ``stream`` returns the
+   encoder: a codec whose client bytes are the engine's own (same API on both sides)
+   passes ``frame.raw`` through, as the two here do; one in front of an engine that
+   speaks another API translates each frame in ``encode`` and keeps its position in the
+   encoder (one per client, made once per stream). ``encode`` is the hot path (once per
+   batch): no work per frame beyond choosing or rewriting it, constants built at import.
+3. ``register(YourCodec(...))`` below, with its routes; ``register`` refuses a second
+   codec with the same name, the same ``(api, endpoint)`` or a route already taken.
+4. Serve its routes through the request path (``proxy.app``: a route calls
+   ``router.handle(request, api, endpoint)``, which answers errors in the codec's shape)
+   and add the api to ``serves`` of each engine kind that answers it (``proxy.engines``;
+   on another engine the route is forwarded as it came). ``routes()`` is the table of
+   every codec's paths; ``codec_at(path)`` gives the codec of one.
+5. ``tests/unit/test_codecs.py`` checks the registry as it is; add the format's own wire
+   tests (its clients' SDKs parse its stream, its whole body, its errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from proxy.codecs.base import Codec, StreamEncoder
+from proxy.codecs.ollama_ndjson import OllamaCodec
+from proxy.codecs.openai_sse import OpenAICodec
+from proxy.validation import Api, ClientRequest, Endpoint
+
+__all__ = ["Codec", "StreamEncoder", "codec_at", "codec_for", "codec_of", "codecs",
+           "register", "routes"]
+
+_CODECS: list[Codec] = []
+_BY_WIRE: dict[tuple[Api, Endpoint], Codec] = {}
+_BY_ROUTE: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Add a codec; a second one with the same name, wire or route is refused."""
+    if any(known.name == codec.name for known in _CODECS):
+        raise ValueError(f"a codec named {codec.name!r} is registered already")
+    if (codec.api, codec.endpoint) in _BY_WIRE:
+        raise ValueError(f"{_BY_WIRE[codec.api, codec.endpoint]!r} already answers "
+                         f"{codec.api} {codec.endpoint}")
+    if not codec.routes or len(set(codec.routes)) != len(codec.routes):
+        raise ValueError(f"{codec!r} needs its routes, each once")
+    for path in codec.routes:
+        if path in _BY_ROUTE:
+            raise ValueError(f"{path} is {_BY_ROUTE[path]!r}'s route already")
+    _CODECS.append(codec)
+    _BY_WIRE[codec.api, codec.endpoint] = codec
+    _BY_ROUTE.update(dict.fromkeys(codec.routes, codec))
+    return codec
+
+
+OPENAI_CHAT = register(OpenAICodec("chat", ("/v1/chat/completions", "/chat/completions")))
+OPENAI_COMPLETIONS = register(OpenAICodec("completions", ("/v1/completions", "/completions")))
+OLLAMA_CHAT = register(OllamaCodec("chat", ("/api/chat",)))
+OLLAMA_GENERATE = register(OllamaCodec("completions", ("/api/generate",)))
+
+
+def codecs() -> tuple[Codec, ...]:
+    """Every registered codec, in registration order."""
+    return tuple(_CODECS)
+
+
+def routes() -> Mapping[str, Codec]:
+    """Every registered client path and its codec."""
+    return dict(_BY_ROUTE)
+
+
+def codec_for(api: Api, endpoint: Endpoint) -> Codec:
+    """The codec of a wire format (``KeyError`` for one that is not registered)."""
+    return _BY_WIRE[api, endpoint]
+
+
+def codec_of(client: ClientRequest) -> Codec:
+    """The codec a parsed request was read with, and so answers in."""
+    return _BY_WIRE[client.api, client.endpoint]
+
+
+def codec_at(path: str) -> Codec | None:
+    """The codec of a registered route; None for a path no codec serves."""
+    return _BY_ROUTE.get(path)

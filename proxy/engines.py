@@ -1,0 +1,237 @@
+"""Engine kinds, each registered once: how a lane opens its adapter, and which of the
+pipeline's policies it switches on once its engine answers.
+
+    kind           adapter              once the engine answers
+    llama-server   LlamaServerAdapter   identity, repair, slot pinning, the slot queue, parking
+    embedded       EmbeddedAdapter      the same (llama-cpp-python in process)
+    ollama         OllamaAdapter        identity, repair, cached-token estimates, the model
+                                        lifecycle; Ollama picks its own slots (no pinning, no
+                                        queue, no parking) and serves its native /api/* too
+
+The same functions run for every lane of every topology (``proxy.router``): one engine,
+several, and several replicas sharing state in Redis. An adapter is looked up by its
+``name``, never by its class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from adapters.base import Adapter, EngineInfo
+from adapters.llama_server import LlamaServerAdapter
+from adapters.ollama import OllamaAdapter, detect_engine
+from proxy.affinity import AffinityPlanner
+from proxy.implicit import Fingerprinter, load_fingerprinter
+from proxy.lane import Lane, SharedState
+from proxy.logs import log_event
+from proxy.metrics import Metrics
+from proxy.ollama import OllamaPlanner
+from proxy.parking import open_parking
+from proxy.placement import SlotPool
+from proxy.repair import RepairConfig, Repairer
+from proxy.service import Planner
+from proxy.sessions import SessionStore
+from proxy.settings import Settings
+from proxy.shared import SharedStatePlanner
+from proxy.tokens import TokenCounter
+from proxy.validation import Api
+
+
+@dataclass(frozen=True, slots=True)
+class LaneContext:
+    """What switching a lane's policies on needs besides the lane itself."""
+
+    settings: Settings
+    store: SessionStore
+    metrics: Metrics
+    logger: logging.Logger
+    shared: SharedState | None  # --redis
+
+
+SessionsOn = Callable[[LaneContext, Lane, EngineInfo], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKind:
+    name: str  # the adapter's name
+    sessions_on: SessionsOn
+    # The client wire formats (proxy.codecs) this engine serves through the pipeline; a
+    # route of another goes to the engine as it came.
+    serves: frozenset[Api] = frozenset({"openai"})
+
+
+ENGINES: dict[str, EngineKind] = {}
+
+
+def register(kind: EngineKind) -> EngineKind:
+    if kind.name in ENGINES:
+        raise ValueError(f"engine kind {kind.name!r} registered twice")
+    ENGINES[kind.name] = kind
+    return kind
+
+
+def kind_of(adapter: Adapter) -> EngineKind:
+    try:
+        return ENGINES[adapter.name]
+    except KeyError:
+        raise ValueError(f"no engine kind registered for adapter {adapter.name!r}") from None
+
+
+# ------------------------------------------------------------------ adapters
+
+def http_client(settings: Settings, url: str,
+                transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, transport=transport,
+                             timeout=settings.upstream_timeout(),
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=64))
+
+
+async def open_url_adapter(settings: Settings, http: httpx.AsyncClient,
+                           logger: logging.Logger) -> Adapter:
+    """llama-server or Ollama at a URL: as ``--engine`` says, else as the engine answers
+    (an engine not answering yet is taken for llama-server and asked again later)."""
+    engine = settings.engine if settings.engine in ("ollama", "llama-server") else None
+    if settings.engine == "auto":
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(settings.probe_timeout_s):
+                engine = await detect_engine(http)
+        if engine is None:
+            log_event(logger, logging.WARNING, "engine not detected",
+                      upstream=label_of(str(http.base_url)), assumed="llama-server",
+                      hint="--engine ollama|llama-server skips detection")
+    return OllamaAdapter(http) if engine == "ollama" else LlamaServerAdapter(http)
+
+
+async def redetect(settings: Settings, adapter: Adapter, logger: logging.Logger,
+                   label: str) -> Adapter:
+    """``--engine auto`` and the engine did not answer as the one assumed: ask again which
+    engine it is (an Ollama that started after the proxy was first taken for llama-server)."""
+    if settings.engine != "auto" or adapter.name not in ("llama-server", "ollama"):
+        return adapter
+    engine = None
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(settings.probe_timeout_s):
+            engine = await detect_engine(adapter.http)
+    if engine is None or engine == adapter.name:
+        return adapter
+    log_event(logger, logging.INFO, "engine detected", upstream=label, engine=engine)
+    return OllamaAdapter(adapter.http) if engine == "ollama" else LlamaServerAdapter(adapter.http)
+
+
+async def open_embedded_adapter(settings: Settings) -> Adapter:
+    # Imported here: the embedded engine needs the `embedded` extra (llama-cpp-python).
+    from adapters.embedded import EmbeddedAdapter, EngineConfig
+
+    if settings.model is None:
+        raise ValueError("the embedded engine needs settings.model (the CLI resolves it)")
+    config = EngineConfig(model_path=settings.model, n_slots=settings.slots,
+                          n_ctx=settings.ctx_size, n_threads=settings.threads,
+                          slot_save_path=settings.slot_dir())
+    return await EmbeddedAdapter.open(config, settings.upstream_timeout())
+
+
+def label_of(url: str) -> str:
+    return httpx.URL(url).netloc.decode() or url
+
+
+# ------------------------------------------------------------------ policies
+
+def repairer_for(settings: Settings, fingerprinter: Fingerprinter | None,
+                 logger: logging.Logger) -> Repairer | None:
+    if not settings.repair:
+        log_event(logger, logging.INFO, "repair off", reason="PREFIXPIN_REPAIR=0")
+        return None
+    config = RepairConfig.from_switches(settings.repair_switches(),
+                                        settings.repair_volatile_rules)
+    config = dataclasses.replace(config, budget_fraction=settings.repair_budget)
+    counter = TokenCounter(fingerprinter.tokenizer if fingerprinter else None)
+    log_event(logger, logging.INFO, "repair on", policies=sorted(config.enabled),
+              exact_token_counts=counter.exact)
+    return Repairer(config, counter.count_messages)
+
+
+def _shared(ctx: LaneContext, lane: Lane, planner: Planner,
+            refresh: Callable[[], Awaitable[None]] | None = None) -> Planner:
+    """With --redis, the planner reads the shared session table before planning and
+    writes it at commit."""
+    if ctx.shared is None:
+        return planner
+    return SharedStatePlanner(planner, ctx.shared.sessions, refresh)
+
+
+async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:
+    """Engines that let the proxy choose the slot: affinity, the queue and parking."""
+    settings, logger, service = ctx.settings, ctx.logger, lane.service
+    adapter = service.backend.adapter
+    if not adapter.capabilities.slots:
+        log_event(logger, logging.INFO, "affinity off", upstream=lane.label,
+                  reason=f"{info.engine} does not let the proxy choose slots")
+        return
+    fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
+    shared = ctx.shared
+    parking = await open_parking(settings, adapter, info, ctx.store, ctx.metrics, logger,
+                                 lane=lane.label,
+                                 cluster=shared.cluster if shared is not None else None,
+                                 shared_sessions=shared.sessions if shared else None)
+    on_evict = parking.park if parking is not None else None
+    pool: SlotPool
+    refresh: Callable[[], Awaitable[None]] | None = None
+    if shared is not None:
+        from proxy.cluster.slots import SharedSlotPool
+
+        shared_pool = SharedSlotPool(shared.cluster, lane.label, info.n_slots, logger,
+                                     on_evict=on_evict)
+        await shared_pool.adopt_engine(info)
+        pool, refresh, lane.load_of = shared_pool, shared_pool.recent, shared_pool.load
+    else:
+        pool = SlotPool(info.n_slots, on_evict=on_evict)
+    service.pool, lane.parking = pool, parking
+    planner = AffinityPlanner(ctx.store, pool, ctx.metrics, fingerprinter, logger,
+                              repairer_for(settings, fingerprinter, logger),
+                              budget_tokens=info.n_ctx_slot or None, parking=parking)
+    service.planner = _shared(ctx, lane, planner, refresh)
+
+    async def restarted(before: EngineInfo, after: EngineInfo) -> None:
+        if shared is not None:
+            await shared_pool.adopt_engine(after)
+        await planner.engine_restarted(before, after)
+
+    def lost(reason: str) -> None:
+        for session in ctx.store:
+            if session.backend in (lane.label, None):
+                session.last_decision, session.last_reason = "unverified", reason
+
+    lane.watch.on_restart.append(restarted)
+    lane.watch.on_lost.append(lost)
+    log_event(logger, logging.INFO, "affinity on", upstream=lane.label, slots=info.n_slots,
+              implicit=fingerprinter is not None, shared=shared is not None,
+              parking=parking is not None)
+
+
+async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:
+    """Sessions, repair, estimates and the model lifecycle in front of Ollama (no slots:
+    a pool of none, and no slot is ever leased)."""
+    settings, logger, service = ctx.settings, ctx.logger, lane.service
+    fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
+    inner = AffinityPlanner(ctx.store, SlotPool(0), ctx.metrics, fingerprinter, logger,
+                            repairer_for(settings, fingerprinter, logger))
+    planner = OllamaPlanner(inner, ctx.metrics, logger, lane.label)
+    service.planner, lane.models = _shared(ctx, lane, planner), planner
+    lane.watch.on_lost.append(planner.engine_lost)
+    log_event(logger, logging.INFO, "sessions on", upstream=lane.label, engine="ollama",
+              slots="chosen by Ollama", implicit=fingerprinter is not None,
+              cached_tokens="measured" if service.backend.adapter.capabilities.measured_cache
+              else "estimated unless Ollama reports them")
+
+
+register(EngineKind("llama-server", slot_sessions_on))
+register(EngineKind("embedded", slot_sessions_on))
+register(EngineKind("ollama", ollama_sessions_on, serves=frozenset({"openai", "ollama"})))

@@ -1,0 +1,62 @@
+"""A lane: one engine behind the router, with its own request path, slot pool, planner,
+parking and watch. A single engine is a router with one lane; several engines, and several
+replicas sharing state in Redis, are the same router with more lanes (``proxy.router``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from proxy.backends import Load
+from proxy.service import ProxyService
+from proxy.watch import EngineWatch
+
+if TYPE_CHECKING:  # the redis package is only needed with --redis
+    from proxy.cluster.core import Cluster
+    from proxy.cluster.sessions import SharedSessions
+    from proxy.ollama import OllamaPlanner
+    from proxy.parking import ParkManager
+
+
+@dataclass(frozen=True, slots=True)
+class SharedState:
+    """What replicas share (``--redis``): the connection, and the session table on it."""
+
+    cluster: Cluster
+    sessions: SharedSessions
+
+
+@dataclass(slots=True)
+class Lane:
+    label: str  # host:port of the engine, or "embedded"
+    url: str | None  # None: the in-process engine
+    service: ProxyService
+    watch: EngineWatch
+    ready: bool = False  # the engine answered once and its policies are on
+    parking: ParkManager | None = None
+    models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
+    load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
+
+    @property
+    def up(self) -> bool:
+        return self.ready and self.watch.reachable
+
+    def down_reason(self) -> str:
+        if not self.ready:
+            return "engine not answering since start-up"
+        return "engine unreachable (health check)"
+
+    @property
+    def slots(self) -> int:
+        info = self.service.backend.info
+        return max(1, info.n_slots) if info is not None else 1
+
+    async def load(self) -> Load:
+        if self.load_of is not None:
+            return await self.load_of()
+        pool = self.service.pool
+        if pool is None:
+            return Load(self.slots, len(self.service.generations), 0)
+        return Load(len(pool.entries), sum(1 for e in pool.entries if e.busy), pool.waiting)

@@ -1,0 +1,301 @@
+"""The one request path for every topology: a single engine is a router with one lane;
+several engines, and several replicas sharing state in Redis, are the same router with more
+lanes.
+
+    request ─► read + parse once (the route's wire format) ─► namespace
+            ─► placement (several lanes: proxy.backends) ─► the lane's ProxyService
+               (identity, repair, slot pinning, the queue, parking, join in flight,
+               heartbeats, figures: proxy.service and the planners of proxy.engines)
+
+Each lane runs one task: probe its engine until it answers, switch on what its engine kind
+supports (``proxy.engines``), then watch it. Paths the pipeline does not own go to the first
+lane that answers (``proxy.passthrough``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from adapters.base import Adapter, EngineInfo
+from core.errors import ProxyError, UpstreamError
+from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
+from proxy.codecs import Codec
+from proxy.engines import (
+    LaneContext,
+    http_client,
+    kind_of,
+    label_of,
+    open_embedded_adapter,
+    open_url_adapter,
+    redetect,
+)
+from proxy.identity import namespace_of
+from proxy.inflight import InFlight
+from proxy.lane import Lane, SharedState
+from proxy.logs import log_event
+from proxy.metrics import Metrics
+from proxy.ollama import lifecycle
+from proxy.passthrough import forward
+from proxy.service import Backend, Incoming, ProxyService
+from proxy.sessions import SessionStore
+from proxy.settings import EMBEDDED, Settings
+from proxy.shared import SharedStateError
+from proxy.validation import ClientRequest, read_body
+from proxy.watch import EngineWatch, probe_until_ready
+
+
+class Router:
+    def __init__(self, ctx: LaneContext, lanes: list[Lane], placer: Placer,
+                 inflight: InFlight) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.metrics = ctx.metrics
+        self.log = ctx.logger
+        self.store = ctx.store
+        self.shared = ctx.shared
+        self.lanes = lanes
+        self.placer = placer
+        self.inflight = inflight
+        self.errors: tuple[type[BaseException], ...] = (
+            ctx.shared.cluster.errors if ctx.shared is not None else ())
+        self.first_probe = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- the request path -------------------------------------------------------------
+
+    async def handle(self, request: Request, codec: Codec) -> Response:
+        """A request on a route of the pipeline, answered in its wire format (its codec),
+        errors included."""
+        try:
+            lanes = [lane for lane in self.lanes
+                     if codec.api in kind_of(lane.service.backend.adapter).serves]
+            if not lanes:  # no engine here serves this API: to the engine as it came
+                adapter = self.lane_for_passthrough().service.backend.adapter
+                return await forward(request, adapter.http)
+            raw, client = await self._parse(request, codec)
+            if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
+                lane = next((ln for ln in lanes if ln.up), lanes[0])
+                return await lifecycle(lane.service.backend.adapter.http, lane.models,
+                                       request, client, raw)
+            return await self._serve(request, client, lanes)
+        except ProxyError as exc:
+            return codec.error_response(exc)
+
+    async def _parse(self, request: Request, codec: Codec) -> tuple[bytes, ClientRequest]:
+        """The body read and parsed once, for the whole request path."""
+        try:
+            raw = await read_body(request.stream(), request.headers.get("content-length"),
+                                  self.settings.max_body_bytes)
+            return raw, codec.parse(raw, request.url.path,
+                                    max_messages=self.settings.max_messages)
+        except ProxyError:
+            self.metrics.requests.labels(codec.endpoint, "client_error").inc()
+            raise
+
+    async def _serve(self, request: Request, client: ClientRequest,
+                     lanes: list[Lane]) -> Response:
+        namespace = namespace_of(request.headers)
+        placement, moved = None, False
+        lane = lanes[0]
+        if len(lanes) > 1:
+            choice = await self._place(namespace, client, request.headers, lanes)
+            lane, placement, moved = choice.lane, choice.reason, choice.moved
+        incoming = Incoming(client, request.headers, namespace, placement, moved)
+        return await lane.service.handle(request, incoming)
+
+    async def _place(self, namespace: str, client: ClientRequest,
+                     headers: Mapping[str, str], lanes: list[Lane]) -> Choice:
+        identity = session_identity(namespace, client.body, headers)
+        try:
+            choice = await self.placer.choose(identity, lanes)
+        except self.errors as exc:
+            self.metrics.requests.labels(client.endpoint, "upstream_error").inc()
+            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
+        if choice.moved:
+            log_event(self.log, logging.WARNING, "session moved", identity=identity,
+                      upstream=choice.lane.label, reason=choice.reason)
+        return choice
+
+    def lane_for_passthrough(self) -> Lane:
+        """Paths the proxy does not own go to the first lane that answers (in the order
+        the upstreams were given)."""
+        return next((lane for lane in self.lanes if lane.up), self.lanes[0])
+
+    # -- views ------------------------------------------------------------------------
+
+    async def health(self) -> list[dict[str, Any]]:
+        """Every lane probed now (concurrently, each within the probe deadline)."""
+        return list(await asyncio.gather(*(self._lane_health(lane) for lane in self.lanes)))
+
+    async def _lane_health(self, lane: Lane) -> dict[str, Any]:
+        backend = lane.service.backend
+        entry: dict[str, Any] = {"label": lane.label, "engine": backend.adapter.name}
+        found = await lane.watch.check()  # the watch learns what the check learns
+        if isinstance(found, UpstreamError):
+            entry.update(status="unreachable", error=found.message)
+        else:
+            entry.update(status="ok", model=found.model, slots=found.n_slots,
+                         n_ctx_slot=found.n_ctx_slot, build=found.build)
+        return entry
+
+    def sessions_view(self) -> dict[str, Any]:
+        backends = []
+        for lane in self.lanes:
+            pool = lane.service.pool
+            backends.append({
+                "upstream": lane.label, "engine": lane.service.backend.adapter.name,
+                "up": lane.up,
+                "slots": [{"slot": e.index, "session": e.occupant, "kind": e.kind,
+                           "tokens": e.tokens, "busy": e.busy} for e in pool.entries]
+                if pool else [],
+                "parking": lane.parking.parked_view() if lane.parking is not None else None,
+            })
+        return {"affinity": any(lane.service.pool is not None for lane in self.lanes),
+                "placement": self.settings.placement if len(self.lanes) > 1 else None,
+                "backends": backends, "slots": backends[0]["slots"],
+                "parking": backends[0]["parking"],
+                "namespaces": {ns: [s.view() for s in sessions]
+                               for ns, sessions in self.store.namespaces().items()}}
+
+    @property
+    def replica(self) -> str | None:
+        return self.shared.cluster.replica if self.shared is not None else None
+
+    # -- lanes --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for lane in self.lanes:
+            task = asyncio.create_task(self._run_lane(lane), name=f"prefixpin-lane-{lane.label}")
+            task.add_done_callback(self._lane_ended)
+            self._tasks.append(task)
+
+    def _lane_ended(self, task: asyncio.Task[None]) -> None:
+        """A lane's task ends only at shutdown; anything else is a bug, said loudly (the
+        lane keeps serving with whatever policies were on)."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log.error("lane task failed", exc_info=exc,
+                           extra={"fields": {"task": task.get_name()}})
+            self.first_probe.set()
+
+    async def _run_lane(self, lane: Lane) -> None:
+        """Probe the lane's engine until it answers, switch on what its kind supports,
+        then watch it; a clean exit parks the lane's idle slots."""
+        settings, logger, backend = self.settings, self.log, lane.service.backend
+
+        async def not_ready() -> None:
+            if all(not ln.ready for ln in self.lanes):
+                self.first_probe.set()  # nothing answers yet: serve (and fail) meanwhile
+            backend.adapter = await redetect(settings, backend.adapter, logger, lane.label)
+
+        info = await probe_until_ready(backend, self.metrics, settings.probe_timeout_s,
+                                       logger, not_ready)
+        try:
+            if settings.affinity:
+                await kind_of(backend.adapter).sessions_on(self.ctx, lane, info)
+            else:
+                log_event(logger, logging.INFO, "affinity off", upstream=lane.label,
+                          reason="PREFIXPIN_AFFINITY=0")
+            lane.ready = True
+            self.first_probe.set()
+            await lane.watch.run()
+        finally:
+            if lane.parking is not None:  # a clean shutdown parks idle slots
+                await lane.parking.aclose(lane.service.pool)
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for lane in self.lanes:
+            await lane.service.aclose()
+            await lane.service.backend.adapter.aclose()
+        if self.shared is not None:
+            await self.inflight.aclose()  # type: ignore[attr-defined]
+            await self.shared.cluster.aclose()
+
+
+async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logger, *,
+                      transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+                      transport: httpx.AsyncBaseTransport | None = None) -> Router:
+    """A lane for every upstream (or the embedded engine when none is given), the shared
+    stores (Redis when configured), and a task per lane that brings its policies up.
+
+    ``transports``: per upstream URL, and ``transport`` for any other, for tests and
+    benches that serve engines in process."""
+    shared: SharedState | None = None
+    homes: Homes
+    if settings.redis is not None:
+        # Imported here: only a replica configured with Redis needs the `redis` package.
+        from proxy.cluster.core import Cluster
+        from proxy.cluster.homes import RedisHomes
+        from proxy.cluster.inflight import ClusterInFlight
+        from proxy.cluster.sessions import SharedSessions, new_session_id
+
+        cluster = Cluster(settings.redis, settings.redis_prefix, settings.replica_id, logger)
+        await cluster.start()
+        store = SessionStore(new_id=new_session_id)
+        shared = SharedState(cluster, SharedSessions(cluster, store, logger))
+        homes = RedisHomes(cluster, settings.live_session_s)
+        inflight: InFlight = ClusterInFlight(cluster, logger, grace_s=settings.retry_grace_s)
+        await inflight.start()  # type: ignore[attr-defined]
+    else:
+        store = SessionStore()
+        homes = MemoryHomes(settings.live_session_s)
+        inflight = InFlight()
+    ctx = LaneContext(settings, store, metrics, logger, shared)
+    adapters = await _open_adapters(settings, logger, transports or {}, transport,
+                                    shared.cluster.replica if shared is not None else None)
+    lanes = [_lane(ctx, label, url, adapter, inflight) for label, url, adapter in adapters]
+    if len({lane.label for lane in lanes}) != len(lanes):
+        for _, _, adapter in adapters:
+            await adapter.aclose()
+        raise ValueError("two upstreams with the same host:port")
+    router = Router(ctx, lanes, Placer(settings, homes), inflight)
+    router.start()
+    return router
+
+
+async def _open_adapters(settings: Settings, logger: logging.Logger,
+                         transports: Mapping[str, httpx.AsyncBaseTransport],
+                         transport: httpx.AsyncBaseTransport | None, replica: str | None
+                         ) -> list[tuple[str, str | None, Adapter]]:
+    urls = settings.backend_urls()
+    if not urls:  # the embedded engine; a test's in-process engine over its transport
+        urls = ["http://engine.invalid"] if transport is not None else [EMBEDDED]
+
+    async def one(url: str) -> tuple[str, str | None, Adapter]:
+        if url == EMBEDDED:
+            return _embedded_label(replica), None, await open_embedded_adapter(settings)
+        http = http_client(settings, url, transports.get(url, transport))
+        return label_of(url), url, await open_url_adapter(settings, http, logger)
+
+    return list(await asyncio.gather(*(one(url) for url in urls)))
+
+
+def _embedded_label(replica: str | None) -> str:
+    """An embedded engine is its own process's: with replicas, each has its own lane."""
+    return EMBEDDED if replica is None else f"{EMBEDDED}-{replica}"
+
+
+def _lane(ctx: LaneContext, label: str, url: str | None, adapter: Adapter,
+          inflight: InFlight) -> Lane:
+    backend = Backend(label=label, adapter=adapter)
+    settings = ctx.settings
+    watch = EngineWatch(backend, ctx.metrics, interval_s=settings.health_interval_s,
+                        probe_timeout_s=settings.probe_timeout_s, logger=ctx.logger)
+    service = ProxyService(settings, backend, ctx.metrics, logger=ctx.logger,
+                           inflight=inflight, on_upstream_lost=watch.suspect)
+
+    async def forget_prompts(before: EngineInfo, after: EngineInfo) -> None:
+        service.ledger.forget(label)  # a restarted engine's slots hold nothing
+
+    watch.on_restart.append(forget_prompts)
+    return Lane(label, url, service, watch)
+

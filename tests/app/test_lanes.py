@@ -1,0 +1,137 @@
+"""One wiring for every topology: a single engine is a router with one lane, and lanes of
+different engine kinds sit behind one router, each running the pipeline its kind allows.
+
+The llama-server lanes are the fake llama-server (wire format only) and the Ollama lane is
+the fake Ollama: Ollama cannot be installed on these machines, and the fake replays its
+recorded wire formats (``proxy.testing.fake_ollama``, ``docs/ollama-wire.md``). Cache
+behaviour against real engines is tested in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from adapters.llama_server import LlamaServerAdapter
+from adapters.ollama import OllamaAdapter
+from core.asgi_transport import StreamingASGITransport
+from proxy.app import create_app
+from proxy.engines import ENGINES, EngineKind, kind_of, register
+from proxy.settings import Settings
+from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from proxy.testing.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
+from tests.ollama.conftest import MODELS, instant_sleep
+
+pytestmark = pytest.mark.anyio
+
+LLAMA, OLLAMA = "http://llama-a:8080", "http://ollama-b:11434"
+
+
+@asynccontextmanager
+async def mixed(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FakeLlamaServer,
+                                                         Any]]:
+    llama = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
+    ollama = create_fake_ollama(FakeOllamaConfig(models=MODELS, sleep=instant_sleep))
+    transports = {LLAMA: StreamingASGITransport(llama.app()),
+                  OLLAMA: StreamingASGITransport(ollama)}
+    app = create_app(Settings(upstream=LLAMA, upstreams=[OLLAMA], health_interval_s=0.2,
+                              **settings), transports=transports)
+    async with app.router.lifespan_context(app):
+        router = app.state.prefixpin.router
+        for _ in range(200):
+            if all(lane.ready for lane in router.lanes):
+                break
+            await asyncio.sleep(0.02)
+        assert all(lane.ready for lane in router.lanes)
+        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
+                                     base_url="http://proxy", timeout=30) as client:
+            yield client, llama, ollama
+
+
+def test_every_adapter_has_one_registered_kind() -> None:
+    assert {"llama-server", "ollama", "embedded"} <= set(ENGINES)
+    assert kind_of(LlamaServerAdapter(httpx.AsyncClient())).name == "llama-server"
+    assert kind_of(OllamaAdapter(httpx.AsyncClient())).name == "ollama"
+    with pytest.raises(ValueError, match="registered twice"):
+        register(EngineKind("ollama", ENGINES["ollama"].sessions_on))
+
+
+async def test_a_single_engine_is_a_router_with_one_lane() -> None:
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
+    app = create_app(Settings(upstream=LLAMA), transport=StreamingASGITransport(engine.app()))
+    async with app.router.lifespan_context(app):
+        router = app.state.prefixpin.router
+        assert [lane.label for lane in router.lanes] == ["llama-a:8080"]
+        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
+                                     base_url="http://proxy") as client:
+            messages = [{"role": "user", "content": "hello there"}]
+            for _ in range(2):
+                reply = await client.post("/v1/chat/completions", headers={"x-session-id": "s"},
+                                          json={"messages": messages, "max_tokens": 4})
+                assert reply.status_code == 200, reply.text
+                messages = [*messages, reply.json()["choices"][0]["message"],
+                            {"role": "user", "content": "and again"}]
+            view = (await client.get("/sessions")).json()
+        assert view["affinity"] is True
+        assert view["placement"] is None
+        assert [b["upstream"] for b in view["backends"]] == ["llama-a:8080"]
+        (session,) = view["namespaces"]["anon"]
+        assert session["last_decision"] == "resumed"
+        assert session["backend"] == "llama-a:8080"
+
+
+async def test_ollama_and_llama_server_lanes_behind_one_router() -> None:
+    """Ollama's native API goes only to the lane that serves it, through the pipeline
+    (sessions, figures); OpenAI sessions are placed on either lane and stay there."""
+    async with mixed() as (client, llama, ollama):
+        llama_before = len(llama.requests)
+        history = [{"role": "user", "content": "Why is the sky blue?"}]
+        for _ in range(2):
+            reply = await client.post("/api/chat", headers={"x-session-id": "native"},
+                                      json={"model": "fake-smol", "messages": history,
+                                            "stream": False})
+            assert reply.status_code == 200, reply.text
+            history = [*history, reply.json()["message"], {"role": "user", "content": "More."}]
+        served = fake_ollama_state(ollama)
+        assert len([r for r in served.requests if r.path == "/api/chat"]) == 2
+        assert len(llama.requests) == llama_before
+
+        where = {}
+        for key in ("one", "two", "three", "four"):
+            messages = [{"role": "system", "content": f"Session {key}."},
+                        {"role": "user", "content": "Hello."}]
+            lanes = set()
+            for _ in range(3):
+                response = await client.post(
+                    "/v1/chat/completions", headers={"x-session-id": key},
+                    json={"model": "fake-smol", "messages": messages, "max_tokens": 4})
+                assert response.status_code == 200, response.text
+                messages = [*messages, response.json()["choices"][0]["message"],
+                            {"role": "user", "content": "Go on."}]
+                view = (await client.get("/sessions")).json()
+                (session,) = [s for s in view["namespaces"]["anon"] if s["key"] == key]
+                lanes.add(session["backend"])
+            assert len(lanes) == 1, lanes  # every turn on the session's lane
+            where[key] = lanes.pop()
+        assert set(where.values()) == {"llama-a:8080", "ollama-b:11434"}, where
+        view = (await client.get("/sessions")).json()
+        assert {b["upstream"]: b["engine"] for b in view["backends"]} == {
+            "llama-a:8080": "llama-server", "ollama-b:11434": "ollama"}
+        (native,) = [s for s in view["namespaces"]["anon"] if s["key"] == "native"]
+        assert native["last_decision"] == "resumed"
+        assert native["backend"] == "ollama-b:11434"
+
+
+async def test_a_lifecycle_request_reaches_the_ollama_lane_as_it_came() -> None:
+    async with mixed() as (client, llama, _):
+        before = len(llama.requests)
+        response = await client.post("/api/generate", json={"model": "fake-smol",
+                                                            "keep_alive": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["done_reason"] == "unload"
+        assert len(llama.requests) == before
