@@ -11,6 +11,14 @@ top, see bench/fingerprint_bench.py). Arms alternate; added latency is the arm's
 percentile minus direct's; the order of the arms rotates every round.
 
     python bench/affinity_latency.py [--requests 200] [--out bench/results/affinity-latency]
+                                     [--before-tree PATH]
+
+``--before-tree PATH`` adds the three proxy arms again (``before_passthrough``,
+``before_affinity``, ``before_affinity_keyless``), run by ``proxy.cli serve`` from another
+source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see ``bench/trees.py``), all
+seven arms rotating together. ``ARM_minus_before`` is the median of the per-round
+differences between an arm and its before twin, with a 95% interval; ``trees`` records
+which files each tree's arms import and their commits.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import platform
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.overhead import percentile, process, timed_request
+from bench.trees import Tree, paired_median_ms, rotated
 from proxy.models import ensure_model
 from proxy.testing.servers import free_port
 
@@ -61,54 +71,83 @@ def _text(chars: int, seed: int) -> str:
     return " ".join(words)
 
 
-def run(requests: int) -> dict[str, Any]:
-    fake_port, plain_port, affinity_port = free_port(), free_port(), free_port()
+PROXY_ARMS = ("passthrough", "affinity", "affinity_keyless")
+
+
+def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
+    fake_port = free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     messages = conversation()
     body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "stream": True}
-    serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
-             "--log-level", "warning"]
-    affinity = f"http://127.0.0.1:{affinity_port}"
+    tokenizer = str(ensure_model("smollm2"))
+    trees = {"this": Tree.this()}
+    if before is not None:
+        trees["before"] = before
     # Each arm: its URL and whether requests carry the session key.
-    arms = {"direct": (fake, True), "passthrough": (f"http://127.0.0.1:{plain_port}", True),
-            "affinity": (affinity, True), "affinity_keyless": (affinity, False)}
-    totals: dict[str, list[float]] = {arm: [] for arm in arms}
-    with process([sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(fake_port),
-                  "--reply-words", "4", "--n-ctx", "131072"], fake), \
-            process([*serve, "--port", str(plain_port), "--no-affinity", "--no-repair",
-                     "--no-parking"], arms["passthrough"][0]), \
-            process([*serve, "--port", str(affinity_port), "--tokenizer",
-                     str(ensure_model("smollm2"))], affinity), \
-            httpx.Client(timeout=60, headers={"x-session-id": "bench"}) as keyed, \
-            httpx.Client(timeout=60) as keyless:
+    arms: dict[str, tuple[str, bool]] = {"direct": (fake, True)}
+    affinity_urls: dict[str, str] = {}
+    with ExitStack() as stack:
+        stack.enter_context(process([sys.executable, "-m", "proxy.testing.fake_llama",
+                                     "--port", str(fake_port), "--reply-words", "4",
+                                     "--n-ctx", "131072"], fake))
+        for label, tree in trees.items():
+            prefix = "" if label == "this" else f"{label}_"
+            serve = [*tree.serve(), "--upstream", fake, "--log-level", "warning"]
+            plain, affinity = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+            stack.enter_context(process([*serve, "--port", plain.rsplit(":", 1)[1],
+                                         "--no-affinity", "--no-repair", "--no-parking"],
+                                        plain, **tree.popen_kwargs()))
+            stack.enter_context(process([*serve, "--port", affinity.rsplit(":", 1)[1],
+                                         "--tokenizer", tokenizer], affinity,
+                                        **tree.popen_kwargs()))
+            arms[f"{prefix}passthrough"] = (plain, True)
+            arms[f"{prefix}affinity"] = (affinity, True)
+            arms[f"{prefix}affinity_keyless"] = (affinity, False)
+            affinity_urls[label] = affinity
+        keyed = stack.enter_context(httpx.Client(timeout=60, headers={"x-session-id": "bench"}))
+        keyless = stack.enter_context(httpx.Client(timeout=60))
+        totals: dict[str, list[float]] = {arm: [] for arm in arms}
         for url, with_key in arms.values():
             for _ in range(10):
                 timed_request(keyed if with_key else keyless, url, body)
         order = list(arms)
         for index in range(requests):
-            # Rotated each round: every arm follows every other equally often (what one arm
+            # Rotated each round: every arm takes every position equally often (what one arm
             # leaves running, e.g. the pass-through's /slots read, lands on all of them).
-            for arm in order[index % len(order):] + order[:index % len(order)]:
+            for arm in rotated(order, index):
                 url, with_key = arms[arm]
                 totals[arm].append(timed_request(keyed if with_key else keyless, url, body)[1])
-        sessions = keyed.get(affinity + "/sessions").json()
-        checks = [client.post(affinity + "/v1/chat/completions",
-                              json={**body, "stream": False}).json()
-                  for client in (keyed, keyless)]
-    for check in checks:
+        sessions = {label: keyed.get(url + "/sessions").json()
+                    for label, url in affinity_urls.items()}
+        checks = [(label, client.post(url + "/v1/chat/completions",
+                                      json={**body, "stream": False}).json())
+                  for label, url in affinity_urls.items() for client in (keyed, keyless)]
+    for label, check in checks:
         usage = check.get("usage") or {}
         if not (usage.get("prompt_tokens_details") or {}).get("cached_tokens"):
-            raise SystemExit(f"an affinity arm's check request was not served from cache: {check}")
+            raise SystemExit(f"an affinity arm's check request ({label} tree) was not served "
+                             f"from cache: {check}")
     result: dict[str, Any] = {"requests_per_arm": requests, "messages": len(messages),
                               "body_bytes": len(json.dumps(body))}
-    for arm in ("passthrough", "affinity", "affinity_keyless"):
+    for arm in order[1:]:
         for q, label in ((0.5, "p50"), (0.99, "p99")):
             added = (percentile(totals[arm], q) - percentile(totals["direct"], q)) * 1000
             result[f"{arm}_added_{label}_ms"] = round(added, 3)
     result["direct_p50_ms"] = round(percentile(totals["direct"], 0.5) * 1000, 3)
-    result["affinity_sessions"] = [(s["key"], s["last_decision"], s["slot"])
-                                   for group in sessions["namespaces"].values() for s in group]
+    if before is not None:
+        for arm in PROXY_ARMS:
+            result[f"{arm}_minus_before"] = paired_median_ms(totals[arm], totals[f"before_{arm}"])
+    result["affinity_sessions"] = _sessions(sessions["this"])
+    if before is not None:
+        result["before_affinity_sessions"] = _sessions(sessions["before"])
+    result["trees"] = {("proxy" if label == "this" else label): tree.describe()
+                       for label, tree in trees.items()}
     return result
+
+
+def _sessions(sessions: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(s["key"], s["last_decision"], s["slot"])
+            for group in sessions["namespaces"].values() for s in group]
 
 
 def main() -> int:
@@ -116,11 +155,16 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("bench/results/affinity-latency"))
+    parser.add_argument("--before-tree", type=Path, metavar="PATH",
+                        help="also run the three proxy arms from this source tree (e.g. a git "
+                             "worktree of an older commit), as arms 'before_*'")
     args = parser.parse_args()
-    result = run(args.requests)
+    before = Tree.other(args.before_tree) if args.before_tree else None
+    load_start = os.getloadavg()
+    result = run(args.requests, before)
     result["command"] = "python " + " ".join(sys.argv)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                         "load_average": os.getloadavg()}
+                         "load_average_start": load_start, "load_average": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -4,15 +4,23 @@ A zero-latency fake llama-server (``proxy.testing.fake_llama``, real uvicorn, it
 process) serves every arm; prefixpin runs in its own process in front of it (features at
 their defaults), and so does the floor: a bare starlette + httpx relay on the same server
 stack (``bench/floor_proxy.py``), the least any proxy built on these libraries adds.
-Requests alternate direct / proxy / floor so machine noise hits the arms alike.
+Requests alternate direct / proxy / floor, the order rotating every round, so machine noise
+hits the arms alike.
 
     python bench/overhead.py [--requests 400] [--events 20000] [--out bench/results/overhead]
+                             [--before-tree PATH]
 
 Added latency = the proxy arm's percentile minus the direct arm's, for the time to the
 last byte of a short streamed chat completion (the whole request path) and the time to
 its first data event. Relay throughput = data events per second of one long stream.
 ``*_floor_added_ms`` is the same figure for the floor arm: prefixpin's own work is the
 difference between the two.
+
+``--before-tree PATH`` adds a fourth arm, ``before``: the same ``proxy.cli serve`` run from
+another source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see
+``bench/trees.py``), rotating with the others. ``*_before_added_ms`` is its added latency;
+``*_proxy_minus_before`` the median of the per-round differences proxy - before, with a 95%
+interval; ``trees`` records which files each proxy arm imports and their commits.
 """
 
 from __future__ import annotations
@@ -26,20 +34,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import httpx
 
+from bench.trees import Tree, paired_median_ms, rotated
 from proxy.testing.servers import free_port
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
 
 
 @contextmanager
-def process(args: list[str], url: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def process(args: list[str], url: str, **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """``popen``: extra ``subprocess.Popen`` arguments (``env``, ``cwd``: a tree's arm)."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -76,7 +89,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(requests: int, events: int) -> dict[str, Any]:
+def run(requests: int, events: int, before: Tree | None = None) -> dict[str, Any]:
     fake_port, proxy_port = free_port(), free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
@@ -84,37 +97,53 @@ def run(requests: int, events: int) -> dict[str, Any]:
     # own per-write cost (a real engine's tokens are far slower than either).
     fake_cmd = [sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(fake_port),
                 "--reply-words", str(events), "--events-per-write", "16"]
-    proxy_cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", fake,
-                 "--port", str(proxy_port), "--log-level", "warning"]
+    this = Tree.this()
+    proxy_args = ["--upstream", fake, "--log-level", "warning"]
     floor_port = free_port()
     floor = f"http://127.0.0.1:{floor_port}"
     floor_cmd = [sys.executable, str(Path(__file__).with_name("floor_proxy.py")), fake,
                  str(floor_port)]
     arms = {"direct": fake, "proxy": proxied, "floor": floor}
-    first: dict[str, list[float]] = {arm: [] for arm in arms}
-    total: dict[str, list[float]] = {arm: [] for arm in arms}
-    throughput: dict[str, list[float]] = {arm: [] for arm in arms}
-    with process(fake_cmd, fake), process(proxy_cmd, proxied), process(floor_cmd, floor), \
-            httpx.Client(timeout=60) as client:
-        for url in arms.values():  # warm up both paths
+    trees = {"proxy": this.describe()}
+    with ExitStack() as stack:
+        stack.enter_context(process(fake_cmd, fake))
+        stack.enter_context(process([*this.serve(), *proxy_args, "--port", str(proxy_port)],
+                                    proxied, **this.popen_kwargs()))
+        stack.enter_context(process(floor_cmd, floor))
+        if before is not None:
+            trees["before"] = before.describe()
+            before_port = free_port()
+            arms["before"] = f"http://127.0.0.1:{before_port}"
+            stack.enter_context(process([*before.serve(), *proxy_args, "--port",
+                                         str(before_port)], arms["before"],
+                                        **before.popen_kwargs()))
+        client = stack.enter_context(httpx.Client(timeout=60))
+        first: dict[str, list[float]] = {arm: [] for arm in arms}
+        total: dict[str, list[float]] = {arm: [] for arm in arms}
+        throughput: dict[str, list[float]] = {arm: [] for arm in arms}
+        for url in arms.values():  # warm up every path
             for _ in range(20):
                 timed_request(client, url, CHAT)
-        for _ in range(requests):
-            for arm, url in arms.items():
-                f, t, _ = timed_request(client, url, CHAT)
+        order = list(arms)
+        for index in range(requests):
+            for arm in rotated(order, index):
+                f, t, _ = timed_request(client, arms[arm], CHAT)
                 first[arm].append(f)
                 total[arm].append(t)
-        for _ in range(3):
-            for arm, url in arms.items():
-                _, seconds, n = timed_request(client, url, {**CHAT, "max_tokens": events})
+        for index in range(3):
+            for arm in rotated(order, index):
+                _, seconds, n = timed_request(client, arms[arm], {**CHAT, "max_tokens": events})
                 throughput[arm].append(n / seconds)
-    return summarise(first, total, throughput, requests, events)
+    result = summarise(first, total, throughput, requests, events)
+    result["trees"] = trees
+    return result
 
 
 def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
               throughput: dict[str, list[float]], requests: int, events: int) -> dict[str, Any]:
     ms = 1000.0
     result: dict[str, Any] = {"requests_per_arm": requests, "events_per_stream": events}
+    before = "before" in first
     for name, series in (("first_event", first), ("last_byte", total)):
         for q, label in ((0.5, "p50"), (0.99, "p99")):
             direct = percentile(series["direct"], q) * ms
@@ -125,11 +154,22 @@ def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
             result[f"{name}_{label}_added_ms"] = round(proxy - direct, 3)
             # The bare starlette + httpx relay (bench/floor_proxy.py): the stack's own cost.
             result[f"{name}_{label}_floor_added_ms"] = round(floor - direct, 3)
+            if before:  # the same proxy arm from --before-tree
+                other = percentile(series["before"], q) * ms
+                result[f"{name}_{label}_before_ms"] = round(other, 3)
+                result[f"{name}_{label}_before_added_ms"] = round(other - direct, 3)
+        if before:
+            result[f"{name}_proxy_minus_before"] = paired_median_ms(series["proxy"],
+                                                                    series["before"])
     result["relay_events_per_s_direct"] = round(statistics.median(throughput["direct"]))
     result["relay_events_per_s_proxy"] = round(statistics.median(throughput["proxy"]))
     result["relay_events_per_s_floor"] = round(statistics.median(throughput["floor"]))
     result["relay_ratio_proxy_over_direct"] = round(
         result["relay_events_per_s_proxy"] / result["relay_events_per_s_direct"], 3)
+    if before:
+        result["relay_events_per_s_before"] = round(statistics.median(throughput["before"]))
+        result["relay_ratio_before_over_direct"] = round(
+            result["relay_events_per_s_before"] / result["relay_events_per_s_direct"], 3)
     return result
 
 
@@ -139,11 +179,17 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
+    parser.add_argument("--before-tree", type=Path, metavar="PATH",
+                        help="also run the proxy arm from this source tree (e.g. a git "
+                             "worktree of an older commit), as arm 'before'")
     args = parser.parse_args()
-    result = run(args.requests, args.events)
+    before = Tree.other(args.before_tree) if args.before_tree else None
+    load_start = os.getloadavg()
+    result = run(args.requests, args.events, before)
     result["command"] = "python " + " ".join(sys.argv)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                         "platform": platform.platform()}
+                         "platform": platform.platform(), "load_average_start": load_start,
+                         "load_average_end": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

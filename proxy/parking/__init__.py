@@ -95,12 +95,12 @@ if TYPE_CHECKING:  # the redis package is only needed with --redis
     from proxy.cluster.sessions import SharedSessions
 
 __all__ = [
-    "DEFAULT_INDEX_ROOT", "DIGEST_BYTES", "INDEX_NAME", "PARK_PREFIX", "SCHEMA_VERSION", "SHARED_SCOPE",
-    "SLOT_FILE_MAGIC", "SLOT_FILE_VERSION", "EngineLimits", "ParkConfig", "ParkIndex",
-    "ParkIndexStore", "ParkManager", "ParkRecord", "RestoreResult", "SlotFileError",
-    "SqliteParkIndex", "engine_limits", "file_digest", "index_dir", "open_parking",
-    "parse_header", "random_filename", "read_slot_tokens", "scope_of", "tokens_digest",
-    "unpack_tokens",
+    "DEFAULT_INDEX_ROOT", "DIGEST_BYTES", "INDEX_NAME", "PARK_PREFIX", "SCHEMA_VERSION",
+    "SHARED_SCOPE", "SLOT_FILE_MAGIC", "SLOT_FILE_VERSION", "EngineLimits", "ParkConfig",
+    "ParkIndex", "ParkIndexStore", "ParkManager", "ParkRecord", "RestoreResult",
+    "SlotFileError", "SqliteParkIndex", "engine_limits", "file_digest", "index_dir",
+    "open_parking", "parse_header", "random_filename", "read_slot_tokens", "scope_of",
+    "tokens_digest", "unpack_tokens",
 ]
 
 PROBE_TIMEOUT_S = 10.0

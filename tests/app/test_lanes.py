@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -135,3 +136,49 @@ async def test_a_lifecycle_request_reaches_the_ollama_lane_as_it_came() -> None:
         assert response.status_code == 200, response.text
         assert response.json()["done_reason"] == "unload"
         assert len(llama.requests) == before
+
+
+@pytest.mark.embedded
+async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
+        tmp_path: Path) -> None:
+    """``--upstream embedded`` makes the in-process engine one lane among others: sessions
+    placed on it keep their slot and their cache (the engine's own cached-token count),
+    its parking is on, and the llama-server lane serves the rest."""
+    from tests.rig.models import ensure_model
+
+    llama = FakeLlamaServer(FakeLlamaConfig(n_slots=1))
+    config = Settings(upstream=LLAMA, upstreams=["embedded"], model=ensure_model("smollm2"),
+                      slots=1, ctx_size=2048, threads=2, park_dir=tmp_path,
+                      park_min_tokens=64, overload_occupancy=1.0)
+    app = create_app(config, transports={LLAMA: StreamingASGITransport(llama.app())})
+    async with app.router.lifespan_context(app):
+        router = app.state.prefixpin.router
+        for _ in range(500):
+            if all(lane.ready for lane in router.lanes):
+                break
+            await asyncio.sleep(0.02)
+        assert [lane.label for lane in router.lanes] == ["llama-a:8080", "embedded"]
+        assert router.lanes[1].parking is not None
+        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
+                                     base_url="http://proxy", timeout=300) as client:
+            placed: dict[str, str] = {}
+            for key in ("first", "second"):
+                messages = [{"role": "system", "content": f"You answer for {key}. " * 12},
+                            {"role": "user", "content": "Name a colour."}]
+                cached = []
+                for _ in range(2):
+                    response = await client.post(
+                        "/v1/chat/completions", headers={"x-session-id": key},
+                        json={"messages": messages, "max_tokens": 4, "temperature": 0})
+                    assert response.status_code == 200, response.text
+                    body = response.json()
+                    cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                    messages = [*messages, body["choices"][0]["message"],
+                                {"role": "user", "content": "Another."}]
+                view = (await client.get("/sessions")).json()
+                (session,) = [s for s in view["namespaces"]["anon"] if s["key"] == key]
+                placed[key] = session["backend"]
+                assert session["last_decision"] == "resumed", session
+                if placed[key] == "embedded":
+                    assert cached[1] >= body["usage"]["prompt_tokens"] // 2, cached
+        assert sorted(placed.values()) == ["embedded", "llama-a:8080"], placed

@@ -236,6 +236,10 @@ def returning(session: Session) -> tuple[dict[str, Any], list[bytes]]:
     return {"messages": messages}, [digest(m) for m in messages]
 
 
+def files_in(directory: Path) -> list[Path]:
+    return list(directory.iterdir())
+
+
 async def park(parking: ParkManager, session: Session) -> ParkRecord:
     await parking.park(Eviction(0, session.id, "main", 300, "worth"))
     parked = parking.index.owned_by(session.id)
@@ -321,7 +325,7 @@ async def test_an_evicted_session_another_replica_committed_is_parked(
     blind, _ = manager(replicas[0], tmp_path, E1)
     await blind.park(Eviction(0, session.id, "main", 300, "worth"))
     assert blind.index.owned_by(session.id) is None
-    assert list(tmp_path.iterdir()) == []
+    assert files_in(tmp_path) == []
     store_a = SessionStore()
     at_a, _ = manager(replicas[0], tmp_path, E1, store=store_a, resolve=True)
     try:

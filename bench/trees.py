@@ -1,0 +1,101 @@
+"""A proxy arm run from another source tree, beside this tree's, in one bench run.
+
+``--before-tree PATH`` (``bench/overhead.py``, ``bench/affinity_latency.py``) adds arms that
+run ``python -m proxy.cli serve`` from PATH, e.g. a ``git worktree`` of an older commit::
+
+    git worktree add /tmp/pp-before 783c80c
+    python bench/overhead.py --before-tree /tmp/pp-before
+
+Both trees' arms run with this venv's interpreter, in their own process, with
+``cwd=TREE`` and ``PYTHONPATH=TREE``: the tree's ``proxy`` and ``adapters`` packages shadow
+the editable install (its import finder comes after ``sys.path``). Which code an arm runs
+is checked before the run, not assumed: the same interpreter, environment and working
+directory import ``proxy.cli`` and report its file, which must lie inside the tree
+(recorded in the result with the tree's commit and whether it had local changes).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent.parent  # this tree's root
+
+_PROBE = ("import sys, proxy.cli, adapters; "
+          "print(proxy.cli.__file__); print(adapters.__file__); print(sys.executable)")
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """Where a proxy arm's code comes from."""
+
+    root: Path
+    shadow: bool  # run with PYTHONPATH=root (another tree), else as installed (this tree)
+
+    @classmethod
+    def this(cls) -> Tree:
+        return cls(HERE, shadow=False)
+
+    @classmethod
+    def other(cls, path: Path) -> Tree:
+        root = path.resolve()
+        if not (root / "proxy" / "cli.py").is_file():
+            raise SystemExit(f"--before-tree {path}: no proxy/cli.py there")
+        if root == HERE:
+            raise SystemExit(f"--before-tree {path} is this tree")
+        return cls(root, shadow=True)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.shadow:
+            env["PYTHONPATH"] = str(self.root)
+        return env
+
+    def serve(self) -> list[str]:
+        return [sys.executable, "-m", "proxy.cli", "serve"]
+
+    def popen_kwargs(self) -> dict[str, Any]:
+        return {"env": self.env(), "cwd": str(self.root)}
+
+    def describe(self) -> dict[str, Any]:
+        """The tree's commit and the files its arm really imports (checked)."""
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                               check=True, **self.popen_kwargs())
+        cli, adapters, _ = probe.stdout.split("\n", 2)
+        for module in (cli, adapters):
+            if not Path(module).resolve().is_relative_to(self.root):
+                raise SystemExit(f"an arm meant to run {self.root} imports {module}")
+        return {"root": str(self.root), "commit": _git(self.root, "rev-parse", "HEAD"),
+                # Uncommitted changes to the product code the arm ran (other work in the tree).
+                "local_changes": _git(self.root, "status", "--porcelain", "--", "proxy",
+                                      "core", "adapters", "fingerprint").splitlines(),
+                "proxy_cli": cli, "adapters": adapters}
+
+
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def rotated(order: list[str], index: int) -> list[str]:
+    """Round ``index``'s order: every arm takes every position equally often."""
+    shift = index % len(order)
+    return order[shift:] + order[:shift]
+
+
+def paired_median_ms(after: list[float], before: list[float]) -> dict[str, float]:
+    """Median of the per-round differences after - before (seconds in, ms out), with a 95%
+    distribution-free interval (order statistics of the sign test). The two arms of a round
+    ran seconds apart, so the pairing cancels most of the machine's drift."""
+    diffs = sorted((a - b) * 1000 for a, b in zip(after, before, strict=True))
+    n = len(diffs)
+    half = 0.98 * n ** 0.5  # 1.96 * sqrt(n) / 2
+    low = max(0, int(n / 2 - half))
+    high = min(n - 1, int(n / 2 + half))
+    return {"median_ms": round(statistics.median(diffs), 3), "ci95_low_ms": round(diffs[low], 3),
+            "ci95_high_ms": round(diffs[high], 3)}

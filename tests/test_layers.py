@@ -1,0 +1,270 @@
+"""The layers hold and no import cycle remains between the product's modules.
+
+Every module of core/, adapters/, proxy/ and fingerprint/ is parsed with ``ast`` (nothing is
+imported). The graph has one edge per module-level import of a project module: imports
+under ``if TYPE_CHECKING:`` never run, and imports inside a function are the deliberate lazy
+ones (optional extras: redis, llama-cpp-python; the CLI's subcommands), so neither is an
+edge. ``import a.b`` and ``from a.b import c`` point at ``a.b.c`` when that is a module, else
+at ``a.b`` (a package's ``__init__``).
+
+The layer rules are checked on every import, wherever it is: a lazy or type-only import
+across a layer boundary is still a dependency the layering forbids.
+
+    fingerprint   imports no project package (pure: tokens in, a chain out)
+    core          imports nothing from proxy/, adapters/, fingerprint/
+    adapters      imports core/ only (never proxy/)
+    proxy         anything
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "adapters", "proxy", "fingerprint")
+
+# package -> project packages it must never import
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "core": frozenset({"proxy", "adapters", "fingerprint"}),
+    "adapters": frozenset({"proxy"}),
+    "fingerprint": frozenset({"proxy", "adapters", "core"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    target: str  # the project module imported
+    line: int
+    module_level: bool  # runs when the module is imported (not lazy, not TYPE_CHECKING)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(path, root): path
+            for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _visits(node: ast.AST, module_level: bool
+            ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under ``node``, with whether it runs when the module is
+    imported: not inside a function, not under ``if TYPE_CHECKING:`` (its ``else`` does)."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node, module_level
+        return
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        module_level = False
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+        for child in node.body:
+            yield from _visits(child, False)
+        for child in node.orelse:
+            yield from _visits(child, module_level)
+        return
+    for inner in ast.iter_child_nodes(node):  # class bodies, try, with, other ifs: run
+        yield from _visits(inner, module_level)
+
+
+def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports_of(source: str, importer: str, modules: Mapping[str, object], *,
+               is_package: bool = False) -> list[Import]:
+    """The project modules ``source`` (module ``importer``) imports."""
+    found = []
+    tree = ast.parse(source)
+    for node, module_level in _visits(tree, True):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            package = _absolute(node, importer, is_package)
+            targets = [f"{package}.{alias.name}" if f"{package}.{alias.name}" in modules
+                       else package for alias in node.names]
+        for target in dict.fromkeys(targets):
+            if target.split(".")[0] not in PACKAGES:
+                continue
+            while target not in modules and "." in target:  # a name inside a module
+                target = target.rsplit(".", 1)[0]
+            if target in modules:
+                found.append(Import(target, node.lineno, module_level))
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {module it imports at import time: the line of the first such import}."""
+    modules = project_modules(root)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for imp in imports_of(path.read_text(), name, modules,
+                              is_package=path.name == "__init__.py"):
+            if imp.module_level and imp.target != name:
+                edges.setdefault(imp.target, imp.line)
+    return graph
+
+
+def components(graph: Mapping[str, Mapping[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, each sorted (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # graphs of a few hundred modules: recursion is fine
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, {}):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def cycles(graph: Mapping[str, Mapping[str, int]]) -> list[list[str]]:
+    """One cycle through each component: a shortest path from its first module back."""
+    return [_cycle_in(graph, set(c), c[0]) for c in components(graph)]
+
+
+def _cycle_in(graph: Mapping[str, Mapping[str, int]], members: set[str],
+              start: str) -> list[str]:
+    """The shortest path from ``start`` back to itself inside its component."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for succ in sorted(graph.get(node, {})):
+                if succ == start:
+                    return [*paths[node], start]
+                if succ in members and succ not in paths:
+                    paths[succ] = [*paths[node], succ]
+                    following.append(succ)
+        frontier = following
+    raise AssertionError(f"{start} is in a component without a cycle")  # pragma: no cover
+
+
+def describe(cycle: list[str], graph: Mapping[str, Mapping[str, int]]) -> str:
+    modules = project_modules()
+    steps = [f"{a} ({modules[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}"
+             for a, b in itertools.pairwise(cycle)]
+    return "\n    ".join(steps)
+
+
+# ---------------------------------------------------------------- the product's modules
+
+def test_no_import_cycle() -> None:
+    """No module imports, at import time, a module that (transitively) imports it."""
+    graph = import_graph()
+    found = components(graph)
+    assert not found, "import cycles (each edge: importer (file:line) -> imported):\n  " + \
+        "\n  ".join(f"cycle {i + 1} (among {', '.join(c)}):\n    "
+                    f"{describe(_cycle_in(graph, set(c), c[0]), graph)}"
+                    for i, c in enumerate(found))
+
+
+def test_layers() -> None:
+    """core, adapters and fingerprint import nothing from the layers they sit below, not
+    even lazily or for type checking."""
+    modules = project_modules()
+    offenders = []
+    for name, path in modules.items():
+        forbidden = FORBIDDEN.get(name.split(".")[0], frozenset())
+        offenders += [f"{path.relative_to(ROOT)}:{imp.line}: {name} imports {imp.target}"
+                      for imp in imports_of(path.read_text(), name, modules,
+                                            is_package=path.name == "__init__.py")
+                      if imp.target.split(".")[0] in forbidden]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_graph_sees_the_modules_it_must() -> None:
+    """The graph is not vacuous: it holds every package and known edges, and leaves out
+    a type-only import and a lazy one."""
+    graph = import_graph()
+    assert {name.split(".")[0] for name in graph} == set(PACKAGES)
+    assert "proxy.service" in graph["proxy.router"]
+    assert "core.errors" in graph["adapters.llama_server"]
+    assert "proxy.parking.index" in graph["proxy.parking"]
+    assert "proxy.cluster.core" not in graph["proxy.lane"]  # under TYPE_CHECKING
+    assert "proxy.cluster.core" not in graph["proxy.router"]  # inside open_router
+    assert "adapters.embedded" not in graph["proxy.engines"]  # inside open_embedded_adapter
+
+
+# ---------------------------------------------------------------- the checker itself
+
+SAMPLE = '''
+from __future__ import annotations
+import os
+import proxy.a
+from proxy import b
+from proxy.c import name
+from . import d
+from .e import thing
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from proxy import f
+else:
+    from proxy import g
+try:
+    from proxy import h
+except ImportError:
+    from proxy import i
+class K:
+    from proxy import j
+def lazy() -> None:
+    from proxy import k
+'''
+
+
+def test_imports_of_sorts_module_level_from_lazy_and_type_only() -> None:
+    """Absolute and relative imports resolve to modules; TYPE_CHECKING and function bodies
+    are not module level; class bodies, try/except and else branches are."""
+    modules = {f"proxy.{n}": None for n in "abcdefghijk"} | {"proxy": None, "proxy.x": None}
+    found = {imp.target: imp.module_level
+             for imp in imports_of(SAMPLE, "proxy.x", modules)}
+    assert found == {"proxy.a": True, "proxy.b": True, "proxy.c": True, "proxy.d": True,
+                     "proxy.e": True, "proxy.f": False, "proxy.g": True, "proxy.h": True,
+                     "proxy.i": True, "proxy.j": True, "proxy.k": False}
+
+
+def test_cycles_are_found_and_reported_as_paths() -> None:
+    """A cycle in a hand-made graph is found, as a path from its first module back to it;
+    an acyclic graph has none."""
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}, "e": {"d": 5}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
