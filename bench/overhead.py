@@ -7,12 +7,13 @@ stack (``bench/floor_proxy.py``), the least any proxy built on these libraries a
 Requests alternate direct / proxy / floor, the order rotating every round, so machine noise
 hits the arms alike.
 
-    python bench/overhead.py [--requests 400] [--events 20000] [--out bench/results/overhead]
-                             [--before-tree PATH]
+    python bench/overhead.py [--requests 400] [--events 20000] [--streams 3]
+                             [--out bench/results/overhead] [--before-tree PATH]
 
 Added latency = the proxy arm's percentile minus the direct arm's, for the time to the
 last byte of a short streamed chat completion (the whole request path) and the time to
-its first data event. Relay throughput = data events per second of one long stream.
+its first data event. Relay throughput = data events per second of one long stream (the
+median of ``--streams`` streams per arm).
 ``*_floor_added_ms`` is the same figure for the floor arm: prefixpin's own work is the
 difference between the two.
 
@@ -20,7 +21,8 @@ difference between the two.
 another source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see
 ``bench/trees.py``), rotating with the others. ``*_before_added_ms`` is its added latency;
 ``*_proxy_minus_before`` the median of the per-round differences proxy - before, with a 95%
-interval; ``trees`` records which files each proxy arm imports and their commits.
+interval, and ``relay_ratio_proxy_over_before`` the median of the per-round throughput
+ratios; ``trees`` records which files each proxy arm imports and their commits.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(requests: int, events: int, before: Tree | None = None) -> dict[str, Any]:
+def run(requests: int, events: int, before: Tree | None = None,
+        streams: int = 3) -> dict[str, Any]:
     fake_port, proxy_port = free_port(), free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
@@ -130,7 +133,7 @@ def run(requests: int, events: int, before: Tree | None = None) -> dict[str, Any
                 f, t, _ = timed_request(client, arms[arm], CHAT)
                 first[arm].append(f)
                 total[arm].append(t)
-        for index in range(3):
+        for index in range(streams):
             for arm in rotated(order, index):
                 _, seconds, n = timed_request(client, arms[arm], {**CHAT, "max_tokens": events})
                 throughput[arm].append(n / seconds)
@@ -142,7 +145,8 @@ def run(requests: int, events: int, before: Tree | None = None) -> dict[str, Any
 def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
               throughput: dict[str, list[float]], requests: int, events: int) -> dict[str, Any]:
     ms = 1000.0
-    result: dict[str, Any] = {"requests_per_arm": requests, "events_per_stream": events}
+    result: dict[str, Any] = {"requests_per_arm": requests, "events_per_stream": events,
+                              "streams_per_arm": len(throughput["direct"])}
     before = "before" in first
     for name, series in (("first_event", first), ("last_byte", total)):
         for q, label in ((0.5, "p50"), (0.99, "p99")):
@@ -170,6 +174,8 @@ def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
         result["relay_events_per_s_before"] = round(statistics.median(throughput["before"]))
         result["relay_ratio_before_over_direct"] = round(
             result["relay_events_per_s_before"] / result["relay_events_per_s_direct"], 3)
+        result["relay_ratio_proxy_over_before"] = round(statistics.median(
+            a / b for a, b in zip(throughput["proxy"], throughput["before"], strict=True)), 3)
     return result
 
 
@@ -178,6 +184,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--streams", type=int, default=3,
+                        help="long streams per arm for the relay throughput (default 3)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
     parser.add_argument("--before-tree", type=Path, metavar="PATH",
                         help="also run the proxy arm from this source tree (e.g. a git "
@@ -185,7 +193,7 @@ def main() -> int:
     args = parser.parse_args()
     before = Tree.other(args.before_tree) if args.before_tree else None
     load_start = os.getloadavg()
-    result = run(args.requests, args.events, before)
+    result = run(args.requests, args.events, before, args.streams)
     result["command"] = "python " + " ".join(sys.argv)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                          "platform": platform.platform(), "load_average_start": load_start,

@@ -8,6 +8,8 @@
 # prefixpin (defaults: affinity, repair, parking into the engine's --slot-save-path);
 # sliding-window adds repair-off (affinity and parking on, PREFIXPIN_REPAIR=0: the issue's
 # off/on ratio) and interleaved adds affinity (affinity alone: no repair, no parking).
+# replica-parking is its own bench (bench/replica_parking.py: two replicas, two one-slot
+# llama-servers, redis-server; arms alone, before, prefixpin, prefixpin-shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,12 +21,13 @@ AFFINITY="affinity:PREFIXPIN_REPAIR=0,PREFIXPIN_PARKING=0"
 SCENARIOS=("$@")
 if [ ${#SCENARIOS[@]} -eq 0 ]; then
   SCENARIOS=(extend-only reasoning-strip think-strip sliding-window prune compaction
-             volatile-system tools-reorder interleaved timeout-resend)
+             volatile-system tools-reorder interleaved timeout-resend replica-parking)
 fi
 for scenario in "${SCENARIOS[@]}"; do
   echo "=== $scenario" >&2
   extra=()
   case "$scenario" in
+    replica-parking) "$PY" bench/replica_parking.py; continue ;;
     sliding-window) extra=(--serve-arm "$REPAIR_OFF") ;;
     interleaved) extra=(--serve-arm "$AFFINITY") ;;
   esac

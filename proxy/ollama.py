@@ -161,11 +161,13 @@ class OllamaPlanner:
 
     def lost(self, model: str | None, reason: str, kind: str, *,
              keep: Session | None = None) -> None:
-        """Every session on ``model`` (every session, for None) but ``keep`` is cold now."""
+        """Every session of this lane on ``model`` (on any model, for None) but ``keep`` is
+        cold now; other lanes' sessions keep what their engines hold."""
         marked = 0
         for session in self.store:
             state = session.engine_cache
-            if session is keep or (model is not None and state.model != model):
+            if session is keep or session.backend not in (self.upstream, None) or (
+                    model is not None and state.model != model):
                 continue
             if state.cold is None:
                 marked += 1

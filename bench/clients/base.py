@@ -46,7 +46,7 @@ def chat_body(messages: list[Message], tools: list[JSON]) -> JSON:
 
 
 def session_headers(transcript: Transcript) -> dict[str, str]:
-    """OpenCode sends both headers with the same value (research/opencode-observed.md)."""
+    """OpenCode sends both headers with the same value (docs/design.md §8)."""
     session_id = f"ses_{transcript.name}"
     return {"x-session-affinity": session_id, "x-session-id": session_id}
 

@@ -2,11 +2,12 @@
 
 Imitates clients that fit the history into a token budget from the end on every call,
 such as LangChain's ``trim_messages(strategy="last", include_system=True)`` inside an agent
-loop, and the field report in DESIGN.md (an agent "recomputes its compaction cut point
-every step"); issue 4's client 5. The system prompt stays; the oldest messages that do
-not fit are dropped; the cut never lands on a tool result (it would be orphaned from its
-call). Once the history outgrows the budget the cut moves forward almost every step, so
-the first difference from the previous request sits right after the system prompt.
+loop, and the field report in docs/design.md §1 ("Clients rewrite, they don't extend": an
+agent recomputes its compaction cut point every step); issue 4's client 5. The system
+prompt stays; the oldest messages that do not fit are dropped; the cut never lands on a
+tool result (it would be orphaned from its call). Once the history outgrows the budget the
+cut moves forward almost every step, so the first difference from the previous request
+sits right after the system prompt.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Many sessions at once: more sessions than engine slots, turns interleaved.
 
-Imitates a daily driver's traffic (DESIGN.md "Sessions evict each other"; issue 7): a main
+Imitates a daily driver's traffic (docs/design.md "Sessions evict each other"; issue 7): a main
 agent, its sub-agents (OpenCode sends them with ``x-parent-session-id``) and a second
 project in another terminal, all talking to one llama-server with 1-4 slots. Each
 session only extends its own history; what breaks reuse is that the sessions take turns,

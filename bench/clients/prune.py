@@ -1,7 +1,7 @@
 """OpenCode-style prune: old tool outputs beyond a protected window are cleared.
 
 Imitates OpenCode's ``SessionCompaction.prune`` (anomalyco/opencode
-``packages/opencode/src/session/compaction.ts``; peers.md §4 "Prune"): when a user turn
+``packages/opencode/src/session/compaction.ts``; docs/design.md §8): when a user turn
 completes, walk the history backwards, skip the last two user turns, count tool-output
 tokens (characters / 4); once ``PRUNE_PROTECT`` tokens are counted, every older output
 is a candidate; stop at an output pruned earlier; prune the candidates only if they free

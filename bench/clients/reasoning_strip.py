@@ -1,9 +1,9 @@
 """Reasoning strip: earlier assistant turns come back without their reasoning.
 
 Imitates OpenCode, which drops reasoning parts on replay unless the model's
-``interleaved.field`` is ``reasoning_content`` (anomalyco/opencode#19081; peers.md §4
-complaints 1, 4 and 14: Crow#60 measured 91-99% re-prefill on turn 2), and clients that
-strip ``<think>`` blocks from earlier turns (DESIGN.md, "Clients rewrite"). In a live
+``interleaved.field`` is ``reasoning_content`` (anomalyco/opencode#19081; docs/design.md
+§8; Crow#60 measured 91-99% re-prefill on turn 2), and clients that strip ``<think>``
+blocks from earlier turns (docs/design.md, "Clients rewrite"). In a live
 session the engine holds the reasoning the model just produced and the client sends it
 back without; the replay has no live generation, so this client sends the newest
 assistant message as produced and strips it from the next request on, which puts the

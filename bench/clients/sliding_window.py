@@ -1,6 +1,6 @@
 """Sliding-window trim: tool results older than the last 6 messages cut to 400 characters.
 
-Imitates the field report in DESIGN.md ("Clients rewrite, they don't extend": an agent
+Imitates the field report in docs/design.md ("Clients rewrite, they don't extend": an agent
 trims old tool results with a sliding window, tool results older than the last N
 messages cut to 400 chars) and issue 4's client 3. The window is measured from the end of
 the history, so every step pushes one more full tool result out of it: the first

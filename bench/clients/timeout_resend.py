@@ -3,7 +3,7 @@
 Imitates agents with a first-token or chunk timeout shorter than a long prefill: the
 OpenAI SDK's 10-minute default (RooCodeInc/Roo-Code#3621), Cline's hard-coded 5 minutes
 (cline/cline#9328), Aider through LiteLLM retrying after 0.2/0.5/1 s (BerriAI/litellm#8174),
-OpenCode's ``chunkTimeout`` (peers.md §4), a 90 s first-token watchdog
+OpenCode's ``chunkTimeout`` (docs/design.md §8), a 90 s first-token watchdog
 (coddy-project/coddy-agent#121). Scaled to the bench: the session is resumed cold in the
 middle (like ``opencode run -c`` after a restart), so the first request is a ~4k-token
 prefill (~20 s on two cores) against a 5 s first-token timeout. The client closes the

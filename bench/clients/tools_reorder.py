@@ -4,8 +4,8 @@ Imitates clients whose tool list is rebuilt per request from a registry with no 
 order (MCP servers reconnecting, maps iterated in insertion or hash order), and clients
 that keep tool-call arguments as parsed objects and re-stringify them on replay, e.g. the
 Vercel AI SDK, which OpenCode uses, with ``JSON.stringify`` (compact, no spaces) where the
-model wrote ``{"path": "..."}`` (DESIGN.md "reorders tools, re-serializes tool-call
-JSON"; issue 4's client 7). Here the order changes every request (a deterministic
+model wrote ``{"path": "..."}`` (docs/design.md §1, "Clients rewrite, they don't
+extend"; issue 4's client 7). Here the order changes every request (a deterministic
 shuffle per step), and every assistant message except the newest is re-serialized with
 sorted keys and compact separators: in a live session the engine holds the model's raw
 text for the newest call; in the replay the previous request holds it.

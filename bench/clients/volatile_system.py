@@ -3,7 +3,7 @@
 Imitates Claude Code's attribution line ``x-anthropic-billing-header: cc_version=...;
 cc_entrypoint=cli; cch=<nonce>;`` in ``system[0]``, which changes on every request and
 gives 0% prefix-cache reuse on llama.cpp (anthropics/claude-code#68900 and #50085,
-peers.md §4 complaint 5; DESIGN.md "injects a timestamp or a per-request nonce"). The
+docs/design.md §1 and §8: a timestamp or a per-request nonce in the system prompt). The
 line comes first, so the first difference is a few tokens into the prompt and every
 turn re-prefills everything.
 """

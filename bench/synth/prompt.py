@@ -1,7 +1,7 @@
 """The agent's system prompt and its tool definitions (OpenAI ``tools`` schema).
 
 Modelled on what coding agents send (OpenCode sends a ~9.5k-char system prompt and ten
-tools, see shared/research/opencode-observed.md); scaled down so the prompt plus the tools
+tools, see docs/design.md §8); scaled down so the prompt plus the tools
 is about 1.3k tokens, which SmolLM2 prefills in ~6 s on two cores.
 """
 

@@ -50,8 +50,9 @@ Adding an API (say Anthropic Messages, ``/v1/messages``; OpenAI Responses,
    batch): no work per frame beyond choosing or rewriting it, constants built at import.
 3. ``register(YourCodec(...))`` below, with its routes; ``register`` refuses a second
    codec with the same name, the same ``(api, endpoint)`` or a route already taken.
-4. Serve its routes through the request path (``proxy.app``: a route calls
-   ``router.handle(request, api, endpoint)``, which answers errors in the codec's shape)
+4. Its routes are served from the registry (``proxy.app`` builds one route per
+   registered path, each calling ``router.handle(request, codec)``, which answers errors
+   in the codec's shape)
    and add the api to ``serves`` of each engine kind that answers it (``proxy.engines``;
    on another engine the route is forwarded as it came). ``routes()`` is the table of
    every codec's paths; ``codec_at(path)`` gives the codec of one.

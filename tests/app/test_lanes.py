@@ -138,6 +138,29 @@ async def test_a_lifecycle_request_reaches_the_ollama_lane_as_it_came() -> None:
         assert len(llama.requests) == before
 
 
+
+async def test_an_ollama_model_unload_chills_only_the_ollama_lanes_sessions() -> None:
+    """Ollama's model lifecycle marks its own sessions cold, never another lane's."""
+    async with mixed() as (client, _, _):
+        keys = {}
+        for key in ("one", "two", "three", "four"):
+            messages = [{"role": "system", "content": f"Session {key}."},
+                        {"role": "user", "content": "Hello."}]
+            response = await client.post("/v1/chat/completions", headers={"x-session-id": key},
+                                         json={"model": "fake-smol", "messages": messages,
+                                               "max_tokens": 4})
+            assert response.status_code == 200, response.text
+        unload = await client.post("/api/generate", json={"model": "fake-smol",
+                                                          "keep_alive": 0})
+        assert unload.status_code == 200, unload.text
+        view = (await client.get("/sessions")).json()
+        keys = {s["key"]: (s["backend"], s["last_decision"]) for s in view["namespaces"]["anon"]}
+        lanes = {backend for backend, _ in keys.values()}
+        assert lanes == {"llama-a:8080", "ollama-b:11434"}, keys
+        for backend, decision in keys.values():
+            assert (decision == "cold") == (backend == "ollama-b:11434"), keys
+
+
 @pytest.mark.embedded
 async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
         tmp_path: Path) -> None:

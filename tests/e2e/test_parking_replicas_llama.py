@@ -186,14 +186,26 @@ def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def log_events(replica: ReplicaProcess, name: str) -> list[Json]:
+def log_events(replica: ReplicaProcess, name: str, since: float = 0.0) -> list[Json]:
     out = []
     for line in replica.log_path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
             event = json.loads(line)
-            if event.get("event") == name:
+            if event.get("event") == name and event["ts"] >= since:
                 out.append(event)
     return out
+
+
+def wait_lane_down(replicas: list[ReplicaProcess], label: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(replicas)
+    while pending and time.monotonic() < deadline:
+        view = httpx.get(f"{pending[0].url}/sessions", timeout=10).json()
+        if not next(b["up"] for b in view["backends"] if b["upstream"] == label):
+            pending.pop(0)
+            continue
+        time.sleep(0.1)
+    assert not pending, f"{label} still up for {[r.url for r in pending]}"
 
 
 def run_alone(rig: Rig) -> float:
@@ -212,6 +224,10 @@ def run_alone(rig: Rig) -> float:
 
 
 def test_sessions_parked_by_one_replica_are_restored_by_the_other(rig: Rig) -> None:
+    """The interleaved run against the reference; then the engine holding most sessions
+    dies, and its sessions' next turns go to the other engine: with per-engine save
+    directories their files are not restorable there (declined, re-prefilled), with
+    --park-shared they are restored into the other engine."""
     started = time.monotonic()
     alone = run_alone(rig)
     alone_s = time.monotonic() - started
@@ -228,27 +244,64 @@ def test_sessions_parked_by_one_replica_are_restored_by_the_other(rig: Rig) -> N
                     for r in replicas]
         parked = [metric(r.url, "prefixpin_parks_total", outcome="parked") for r in replicas]
         views = [httpx.get(f"{r.url}/sessions", timeout=10).json() for r in replicas]
+        mixed_s = time.monotonic() - started - alone_s
+
+        # Failover: the engine most sessions live on stops; their next turns move.
+        homes = {int(v["key"].rsplit("-", 1)[1]): v["backend"]
+                 for v in views[0]["namespaces"]["anon"] if v["key"].startswith("mixed-")}
+        labels = [e.url.removeprefix("http://") for e in rig.engines]
+        dead = max(labels, key=lambda label: sum(h == label for h in homes.values()))
+        movers = sorted(s for s, home in homes.items() if home == dead)
+        failover_at = time.time()
+        rig.engines[labels.index(dead)].kill()
+        wait_lane_down(replicas, dead)
+        for s in movers:
+            sessions.turn(replicas[(s + TURNS) % 2].url, s, TURNS)
     finally:
         stop_all(replicas)
+    assert len(homes) == SESSIONS
+
     parks = {e["file"]: (i, e["lane"]) for i, r in enumerate(replicas)
              for e in log_events(r, "parked")}
-    restores = [(i, e) for i, r in enumerate(replicas) for e in log_events(r, "restored")]
-    declined = [e for r in replicas for e in log_events(r, "restore declined")]
+    restores = [(i, e) for i, r in enumerate(replicas)
+                for e in log_events(r, "restored") if e["ts"] < failover_at]
+    declined = [e for r in replicas for e in log_events(r, "restore declined")
+                if e["ts"] < failover_at]
     across = [e for i, e in restores if parks[e["file"]][0] != i]
     ratio = mixed / alone
     print(f"\n{rig.layout}: prefilled {mixed:.0f} tokens interleaved vs {alone:.0f} alone "
           f"(ratio {ratio:.3f}); parks per replica {parked}, restores {restored}, "
           f"{len(across)} of {len(restores)} restores of the other replica's park; "
-          f"alone {alone_s:.0f} s, whole test {time.monotonic() - started:.0f} s")
-    assert sessions.statuses == [200] * SESSIONS * TURNS
+          f"sessions per engine {sorted(list(homes.values()).count(la) for la in labels)}; "
+          f"alone {alone_s:.0f} s, interleaved {mixed_s:.0f} s, "
+          f"whole test {time.monotonic() - started:.0f} s")
+    assert sessions.statuses == [200] * (SESSIONS * TURNS + len(movers))
     assert sum(restored) == len(restores) >= SESSIONS
     assert across, restores
     assert not declined, declined
     if rig.layout == "per-engine":  # restored by the engine whose directory holds the file
         assert all(event["lane"] == parks[event["file"]][1] for _, event in restores)
     assert ratio <= TARGET_RATIO
-    # The returning sessions' decision notes: every one resumed its committed history.
+    # The sessions' decision notes: every turn resumed its committed history.
     for view in views:
         mine = [s for s in view["namespaces"]["anon"] if s["key"].startswith("mixed-")]
         assert mine
         assert all(s["last_reason"] == "extends committed history" for s in mine), mine
+
+    # After the failover: files the dead engine's lane parked, on the other engine.
+    moved_restores = [e for r in replicas for e in log_events(r, "restored", failover_at)]
+    moved_declines = [e for r in replicas for e in log_events(r, "restore declined",
+                                                                failover_at)]
+    print(f"failover of {dead} ({len(movers)} sessions): {len(moved_restores)} restored on "
+          f"the other engine, {len(moved_declines)} declined "
+          f"{sorted({e['outcome'] for e in moved_declines})}")
+    assert len(movers) >= 3
+    if rig.layout == "shared":
+        from_dead = [e for e in moved_restores if parks[e["file"]][1] == dead]
+        assert len(from_dead) >= len(movers) - 1, moved_restores
+        assert all(e["lane"] != dead for e in from_dead)
+        assert not moved_declines, moved_declines
+    else:
+        assert not moved_restores, moved_restores
+        assert len(moved_declines) >= len(movers) - 1
+        assert {e["outcome"] for e in moved_declines} == {"other_lane"}

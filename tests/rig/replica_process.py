@@ -39,10 +39,11 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
                   env: Mapping[str, str] | None = None, port: int | None = None,
                   startup_timeout: float = 60.0,
                   program: Sequence[str] = (sys.executable, "-m", "proxy.cli"),
-                  ) -> ReplicaProcess:
+                  cwd: Path | None = None) -> ReplicaProcess:
     """``prefixpin serve`` on a free loopback port (no upstreams: the embedded engine);
     returns once /healthz says every engine answers (or raises with the log's tail).
-    ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script."""
+    ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script;
+    ``cwd`` (default: this repository) another checkout's ``python -m proxy.cli``."""
     port = port or free_port()
     argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in upstreams:
@@ -56,7 +57,7 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
     with log_path.open("ab") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                                   cwd=Path(__file__).resolve().parents[2])
+                                   cwd=cwd or Path(__file__).resolve().parents[2])
     handle = ReplicaProcess(f"http://127.0.0.1:{port}", port, process, log_path)
     try:
         _wait_ready(handle, max(1, len(upstreams)), startup_timeout)
