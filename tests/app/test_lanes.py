@@ -26,6 +26,7 @@ from proxy.engines import ENGINES, EngineKind, kind_of, register
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
+from tests.app.test_backends import Switch
 from tests.ollama.conftest import MODELS, instant_sleep
 
 pytestmark = pytest.mark.anyio
@@ -34,12 +35,13 @@ LLAMA, OLLAMA = "http://llama-a:8080", "http://ollama-b:11434"
 
 
 @asynccontextmanager
-async def mixed(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FakeLlamaServer,
-                                                         Any]]:
+async def mixed(ollama_link: Switch | None = None, **settings: Any
+                ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeLlamaServer, Any]]:
     llama = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
     ollama = create_fake_ollama(FakeOllamaConfig(models=MODELS, sleep=instant_sleep))
-    transports = {LLAMA: StreamingASGITransport(llama.app()),
-                  OLLAMA: StreamingASGITransport(ollama)}
+    link = ollama_link or Switch(StreamingASGITransport(ollama))
+    link.inner = StreamingASGITransport(ollama)
+    transports = {LLAMA: StreamingASGITransport(llama.app()), OLLAMA: link}
     app = create_app(Settings(upstream=LLAMA, upstreams=[OLLAMA], health_interval_s=0.2,
                               **settings), transports=transports)
     async with app.router.lifespan_context(app):
@@ -139,10 +141,11 @@ async def test_a_lifecycle_request_reaches_the_ollama_lane_as_it_came() -> None:
 
 
 
-async def test_an_ollama_model_unload_chills_only_the_ollama_lanes_sessions() -> None:
-    """Ollama's model lifecycle marks its own sessions cold, never another lane's."""
-    async with mixed() as (client, _, _):
-        keys = {}
+async def test_an_ollama_engine_lost_chills_only_the_ollama_lanes_sessions() -> None:
+    """Ollama's lost engine (every model's cache gone) marks its own lane's sessions cold,
+    never another lane's."""
+    link = Switch(httpx.MockTransport(lambda request: httpx.Response(500)))
+    async with mixed(link) as (client, _, _):
         for key in ("one", "two", "three", "four"):
             messages = [{"role": "system", "content": f"Session {key}."},
                         {"role": "user", "content": "Hello."}]
@@ -150,16 +153,15 @@ async def test_an_ollama_model_unload_chills_only_the_ollama_lanes_sessions() ->
                                          json={"model": "fake-smol", "messages": messages,
                                                "max_tokens": 4})
             assert response.status_code == 200, response.text
-        unload = await client.post("/api/generate", json={"model": "fake-smol",
-                                                          "keep_alive": 0})
-        assert unload.status_code == 200, unload.text
+        link.down = True
+        health = (await client.get("/healthz")).json()  # the watch learns it now
+        assert [u["status"] for u in health["upstreams"]] == ["ok", "unreachable"]
         view = (await client.get("/sessions")).json()
         keys = {s["key"]: (s["backend"], s["last_decision"]) for s in view["namespaces"]["anon"]}
-        lanes = {backend for backend, _ in keys.values()}
-        assert lanes == {"llama-a:8080", "ollama-b:11434"}, keys
+        assert {backend for backend, _ in keys.values()} == {"llama-a:8080",
+                                                             "ollama-b:11434"}, keys
         for backend, decision in keys.values():
             assert (decision == "cold") == (backend == "ollama-b:11434"), keys
-
 
 @pytest.mark.embedded
 async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
