@@ -72,6 +72,7 @@ class ServerFlags:
     explicit: dict[str, str | bool] = field(default_factory=dict)
     defaults: dict[str, str] = field(default_factory=dict)
     known: set[str] = field(default_factory=set)  # flags this build's --help lists
+    cwd: Path | None = None  # the engine's working directory (relative paths are its own)
 
     def value(self, key: str) -> str | bool | None:
         if key in self.explicit:
@@ -126,7 +127,10 @@ class ServerFlags:
 
     def slot_save_path(self) -> Path | None:
         value = self.value("slot_save_path")
-        return Path(value) if isinstance(value, str) and value else None
+        if not isinstance(value, str) or not value:
+            return None
+        path = Path(value)
+        return self.cwd / path if self.cwd is not None and not path.is_absolute() else path
 
 
 def parse_llama_args(argv: Sequence[str], env: Mapping[str, str], source: str) -> ServerFlags:
@@ -246,6 +250,8 @@ def local_server_flags(url: str) -> ServerFlags | None:
             if sep and name.startswith("LLAMA_ARG_"):
                 env[name] = value
     flags = parse_llama_args(argv, env, f"command line of process {pid}")
+    with contextlib.suppress(OSError):
+        flags.cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     with contextlib.suppress(OSError):
         flags.defaults, flags.known = parse_help_defaults(_help_of(os.readlink(f"/proc/{pid}/exe")))
     return flags

@@ -114,8 +114,11 @@ class ParkManager:
 
     # -- eviction: save ---------------------------------------------------------------
 
-    async def park(self, eviction: Eviction) -> None:
-        """SlotPool's ``on_evict``: save the slot before it changes hands. Never raises."""
+    async def park(self, eviction: Eviction,
+                   held: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """SlotPool's ``on_evict``: save the slot before it changes hands. Never raises.
+        ``held``: for a slot saved without a lease (at shutdown, a slot table other replicas
+        share), whether the slot still held the session once the save was done."""
         session = await self._session_of(eviction.session_id)
         if session is None or session.committed is None:
             return
@@ -146,6 +149,11 @@ class ParkManager:
                           logging.WARNING)
             return
         path = self.config.files_dir / filename
+        if held is not None and not await held():
+            await asyncio.to_thread(unlink, path)  # perhaps another session's state
+            self._skipped(session, eviction.slot, "changed", "another replica gave the slot "
+                          "to another session while it was saved", logging.INFO)
+            return
         try:
             record = await self._checked_record(session, path, result.n_tokens, result.n_bytes)
         except SlotFileError as exc:
@@ -565,13 +573,24 @@ class ParkManager:
                 self.index.close()
 
     async def park_resident(self, pool: SlotPool) -> None:
+        """Park what idle slots hold. A slot table replicas share (``--redis``) is read
+        again before each save and after it: this replica's copy may be long out of date
+        (another replica gave the slot to another session since, and saving it under the
+        old occupant's name would replace that session's good park with another session's
+        state, restored into its next request), and another replica may lease the slot
+        while it is saved (no lock is taken): a slot that changed meanwhile is not parked."""
+        table = _shared_table(pool)
         for entry in pool.entries:
+            if table is not None and not await table.read(self.log):
+                return
             if entry.occupant is None or entry.busy:
                 continue
-            entry.busy = True  # nobody takes the slot while it is saved
+            held = (table.still(entry.index, entry.occupant, entry.tokens, self.log)
+                    if table is not None else None)
+            entry.busy = True  # nobody here takes the slot while it is saved
             try:
                 await self.park(Eviction(entry.index, entry.occupant, entry.kind,
-                                         entry.tokens, "shutdown"))
+                                         entry.tokens, "shutdown"), held)
             finally:
                 entry.busy = False
 
@@ -596,6 +615,42 @@ class ParkManager:
         with contextlib.suppress(*self.index.errors):
             self.metrics.park_bytes.set(self.index.total_bytes())
             self.metrics.parked_files.set(self.index.count())
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedTable:
+    """The slot table of a ``proxy.cluster.slots.SharedSlotPool`` (Redis), read again into
+    the pool's copy (found by duck typing: this package never imports the redis client)."""
+
+    pool: SlotPool
+    refresh: Callable[[], Awaitable[None]]
+    errors: tuple[type[BaseException], ...]
+
+    async def read(self, log: logging.Logger) -> bool:
+        try:
+            await self.refresh()
+        except self.errors as exc:
+            log_event(log, logging.WARNING, "shutdown parks skipped",
+                      reason=f"the shared slot table is unreachable: {exc}")
+            return False
+        return True
+
+    def still(self, slot: int, occupant: str, tokens: int,
+              log: logging.Logger) -> Callable[[], Awaitable[bool]]:
+        async def held() -> bool:
+            if not await self.read(log):
+                return False
+            entry = self.pool.entries[slot]
+            return (entry.occupant, entry.tokens) == (occupant, tokens)
+        return held
+
+
+def _shared_table(pool: SlotPool) -> _SharedTable | None:
+    refresh = getattr(pool, "refresh", None)
+    errors = getattr(getattr(pool, "cluster", None), "errors", None)
+    if refresh is None or errors is None:
+        return None
+    return _SharedTable(pool, refresh, tuple(errors))
 
 
 def _bounded_set(table: dict[str, Any], key: str, value: Any) -> None:

@@ -7,7 +7,7 @@ replica (s + t) mod 2). With one slot per engine and three sessions to an engine
 every return finds its slot taken: the session was parked by whichever replica served the
 turn that evicted it, and is restored by the replica serving its own next turn, from the
 park index in Redis. A round serves the even sessions, then the odd ones: whatever engines
-placement picks, one engine holds two sessions of one parity, which follow each other in
+placement picks, one engine holds two sessions of one parity, consecutive among its turns in
 the round, and the second one's turn (on the replica the first one's next turn does not
 use) parks the first; so some restores always cross replicas. Asserted:
 
@@ -18,7 +18,13 @@ use) parks the first; so some restores always cross replicas. Asserted:
   the same sessions cost alone, measured in the same test: each session's turns back to
   back through one replica, on the same engines with their slots erased;
 - per-engine save directories: each restore ran on the engine whose directory holds the
-  file; ``--park-shared``: the same with one directory for both engines and replicas.
+  file; ``--park-shared``: the same with one directory for both engines and replicas;
+- then the engine holding most sessions dies and their next turns move to the other one:
+  with per-engine directories their parks are declined there (``other_lane``) and they
+  re-prefill; with ``--park-shared`` the other engine restores them.
+
+And a replica's clean shutdown parks a slot under the session the shared slot table says
+it holds now, not under the one its own (stale) copy of the table remembers.
 
 Assistant turns are fixed text (not the model's reply), so both runs send the same prompts
 token for token. The engines run with ``--cache-ram 0``: llama-server's own host-RAM prompt
@@ -305,3 +311,57 @@ def test_sessions_parked_by_one_replica_are_restored_by_the_other(rig: Rig) -> N
         assert not moved_restores, moved_restores
         assert len(moved_declines) >= len(movers) - 1
         assert {e["outcome"] for e in moved_declines} == {"other_lane"}
+
+
+@pytest.fixture
+def one_engine() -> Iterator[LlamaServerProcess]:
+    with run_llama_server("smollm2", slots=1, ctx_per_slot=2048, threads=1,
+                          extra=ENGINE_ARGS) as handle:
+        yield handle
+
+
+def first_turn(name: str, words: int) -> list[Json]:
+    return [{"role": "system", "content": f"Agent {name}. " + filler(words, seed=ord(name))},
+            {"role": "user", "content": "hello"}]
+
+
+def usage_of(url: str, key: str, messages: list[Json]) -> Json:
+    response = httpx.post(f"{url}/v1/chat/completions", headers={"x-session-id": key},
+                          json={"messages": messages, "max_tokens": 4, "temperature": 0},
+                          timeout=300)
+    assert response.status_code == 200, response.text
+    usage: Json = response.json()["usage"]
+    return usage
+
+
+def test_a_replica_shutting_down_parks_what_the_slot_holds_now(
+        one_engine: LlamaServerProcess, redis_server: RedisProcess, tmp_path: Path) -> None:
+    """Replica A last saw S in the engine's one slot; B has since given it to C, to S
+    (restored) and to D, whose history is longer than S's. A's clean shutdown parks the
+    slot under the session it holds now (D), never under S: that would replace S's good
+    park with D's state, restored into S's next request."""
+    replicas: list[ReplicaProcess] = []
+    try:
+        for name in ("a", "b"):
+            replicas.append(start_replica(
+                [one_engine.url], tmp_path / f"{name}.log", redis=redis_server.url,
+                replica_id=name, args=["--redis-prefix", "shutdown-park"], env=REPLICA_ENV))
+            wait_parking_on(replicas[-1], 1)
+        a, b = replicas
+        s = first_turn("S", 240)
+        usage_of(a.url, "S", s)
+        usage_of(b.url, "C", first_turn("C", 240))  # B parks S
+        s += [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "again"}]
+        s1 = usage_of(b.url, "S", s)  # B parks C, restores S
+        usage_of(b.url, "D", first_turn("D", 300))  # B parks S; D holds the slot
+        a.stop()  # A's copy of the slot table still says S
+        s += [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "more"}]
+        s2 = usage_of(b.url, "S", s)
+        ids = {v["key"]: v["id"] for v in
+               httpx.get(f"{b.url}/sessions", timeout=10).json()["namespaces"]["anon"]}
+    finally:
+        stop_all(replicas)
+    at_shutdown = [e["session"] for e in log_events(replicas[0], "parked")
+                   if e["reason"] == "shutdown"]
+    assert at_shutdown == [ids["D"]]
+    assert s2["prompt_tokens_details"]["cached_tokens"] >= s1["prompt_tokens"]
