@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from bench.provenance import cpu_model, git_revision, memory_gib, package_versio
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
+from tests.rig.scrape import prefilled
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "multi"
@@ -168,13 +168,6 @@ async def run_arm(replicas: list[str], arm: str, rep: int, args: argparse.Namesp
     return [row for rows in results for row in rows]
 
 
-def prefilled(engines: list[LlamaServerProcess]) -> float:
-    total = 0.0
-    for engine in engines:
-        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
-        match = re.search(r"^llamacpp:prompt_tokens_total\s+(\S+)$", text, re.MULTILINE)
-        total += float(match.group(1)) if match else 0.0
-    return total
 
 
 def redis_stats(url: str) -> tuple[int, dict[str, int]]:

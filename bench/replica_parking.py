@@ -49,7 +49,6 @@ import contextlib
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
@@ -73,6 +72,7 @@ from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
+from tests.rig.scrape import metric, prefilled
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "replica-parking"
@@ -223,13 +223,6 @@ class Sessions:
                                + filler(system_words, seed=100 + s)}] for s in range(n)}
 
 
-def prefilled(engines: list[LlamaServerProcess]) -> float:
-    total = 0.0
-    for engine in engines:
-        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
-        match = re.search(r"^llamacpp:prompt_tokens_total\s+(\S+)$", text, re.MULTILINE)
-        total += float(match.group(1)) if match else 0.0
-    return total
 
 
 def one_turn(client: httpx.Client, url: str, key: str, messages: list[dict[str, Any]],
@@ -299,13 +292,6 @@ def run_turns(arm: Arm, cache_ram: str, replicas: list[ReplicaProcess],
 
 # ---------------------------------------------------------------- replica figures
 
-def metric(url: str, name: str, **labels: str) -> float:
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    head = f"{name}{{{wanted}}} " if wanted else f"{name} "
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(head):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def log_events(path: Path, name: str) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from proxy.settings import Settings
 from proxy.testing.servers import serve_in_thread
 from tests.e2e.helpers import filler, stream_chat
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
+from tests.rig.scrape import metric
 
 pytestmark = pytest.mark.llama
 
@@ -134,13 +135,6 @@ def resident_answer(engine: LlamaServerProcess, first: Json, then: Json) -> str:
     return text(response.json())
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    head = f"{name}{{{wanted}}} " if wanted else f"{name} "
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(head):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[Json]:

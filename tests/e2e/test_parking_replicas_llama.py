@@ -35,7 +35,6 @@ from RAM) and the figure would not show parking.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
+from tests.rig.scrape import metric, prefilled
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow,
               pytest.mark.usefixtures("redis_server_binary")]
@@ -173,23 +173,8 @@ class Sessions:
         return answer
 
 
-def prefilled(engines: list[LlamaServerProcess]) -> float:
-    total = 0.0
-    for engine in engines:
-        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
-        match = re.search(r"^llamacpp:prompt_tokens_total\s+(\S+)$", text, re.MULTILINE)
-        assert match, text
-        total += float(match.group(1))
-    return total
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    head = f"{name}{{{wanted}}} " if wanted else f"{name} "
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(head):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def log_events(replica: ReplicaProcess, name: str, since: float = 0.0) -> list[Json]:

@@ -23,6 +23,7 @@ from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
+from tests.rig.scrape import prefilled
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow,
               pytest.mark.usefixtures("redis_server_binary")]
@@ -73,14 +74,6 @@ def cached_fraction(reply: dict[str, Any]) -> float:
     return float(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
 
 
-def prompt_tokens_processed(engines: list[LlamaServerProcess]) -> float:
-    total = 0.0
-    for engine in engines:
-        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
-        match = re.search(r"^llamacpp:prompt_tokens_total\s+(\S+)$", text, re.MULTILINE)
-        assert match, text
-        total += float(match.group(1))
-    return total
 
 
 def system_prompt(seed: int) -> dict[str, str]:
@@ -110,7 +103,7 @@ def test_a_retry_on_the_other_replica_joins_the_generation_in_flight(
     messages: list[dict[str, Any]] = [system_prompt(2),
                                       {"role": "user", "content": "Say hello."}]
     body = {"messages": messages, "max_tokens": 16, "temperature": 0}
-    before = prompt_tokens_processed(engines)
+    before = prefilled(engines)
     first: dict[str, Any] = {}
     headers_seen = threading.Event()
 
@@ -135,7 +128,7 @@ def test_a_retry_on_the_other_replica_joins_the_generation_in_flight(
     time.sleep(0.5)  # the engine is prefilling the original now
     retry = chat(replicas[1].url, messages, "retry", max_tokens=16)
     thread.join(120)
-    after = prompt_tokens_processed(engines)
+    after = prefilled(engines)
     prompt = first["usage"]["prompt_tokens"]
     print(f"\nengine prompt tokens processed for two identical requests: {after - before:.0f} "
           f"(prompt: {prompt} tokens)")
