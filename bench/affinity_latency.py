@@ -18,7 +18,9 @@ percentile minus direct's; the order of the arms rotates every round.
 source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see ``bench/trees.py``), all
 seven arms rotating together. ``ARM_minus_before`` is the median of the per-round
 differences between an arm and its before twin, with a 95% interval; ``trees`` records
-which files each tree's arms import and their commits.
+which files each tree's arms import and their commits. ``cpu_us_per_request``: each proxy
+process's own CPU time per request (from ``/proc``; the affinity process serves the keyed
+and the keyless arm), a figure that other load on the machine barely moves.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.overhead import percentile, process, timed_request
-from bench.trees import Tree, paired_median_ms, rotated
+from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
 from proxy.models import ensure_model
 from proxy.testing.servers import free_port
 
@@ -86,6 +88,7 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
     # Each arm: its URL and whether requests carry the session key.
     arms: dict[str, tuple[str, bool]] = {"direct": (fake, True)}
     affinity_urls: dict[str, str] = {}
+    pids: dict[str, int] = {}  # per proxy process: its pid
     with ExitStack() as stack:
         stack.enter_context(process([sys.executable, "-m", "proxy.testing.fake_llama",
                                      "--port", str(fake_port), "--reply-words", "4",
@@ -94,12 +97,12 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
             prefix = "" if label == "this" else f"{label}_"
             serve = [*tree.serve(), "--upstream", fake, "--log-level", "warning"]
             plain, affinity = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
-            stack.enter_context(process([*serve, "--port", plain.rsplit(":", 1)[1],
-                                         "--no-affinity", "--no-repair", "--no-parking"],
-                                        plain, **tree.popen_kwargs()))
-            stack.enter_context(process([*serve, "--port", affinity.rsplit(":", 1)[1],
-                                         "--tokenizer", tokenizer], affinity,
-                                        **tree.popen_kwargs()))
+            pids[f"{prefix}passthrough"] = stack.enter_context(process(
+                [*serve, "--port", plain.rsplit(":", 1)[1], "--no-affinity", "--no-repair",
+                 "--no-parking"], plain, **tree.popen_kwargs())).pid
+            pids[f"{prefix}affinity"] = stack.enter_context(process(
+                [*serve, "--port", affinity.rsplit(":", 1)[1], "--tokenizer", tokenizer],
+                affinity, **tree.popen_kwargs())).pid
             arms[f"{prefix}passthrough"] = (plain, True)
             arms[f"{prefix}affinity"] = (affinity, True)
             arms[f"{prefix}affinity_keyless"] = (affinity, False)
@@ -111,12 +114,17 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
             for _ in range(10):
                 timed_request(keyed if with_key else keyless, url, body)
         order = list(arms)
+        cpu_start = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for index in range(requests):
             # Rotated each round: every arm takes every position equally often (what one arm
             # leaves running, e.g. the pass-through's /slots read, lands on all of them).
             for arm in rotated(order, index):
                 url, with_key = arms[arm]
                 totals[arm].append(timed_request(keyed if with_key else keyless, url, body)[1])
+        # The affinity process serves the keyed and the keyless arm: two requests a round.
+        cpu = cpu_per_request_us(cpu_start, {name: cpu_seconds(pid) for name, pid in pids.items()},
+                                 {name: requests * (2 if name.endswith("affinity") else 1)
+                                  for name in pids})
         sessions = {label: keyed.get(url + "/sessions").json()
                     for label, url in affinity_urls.items()}
         checks = [(label, client.post(url + "/v1/chat/completions",
@@ -137,6 +145,9 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
     if before is not None:
         for arm in PROXY_ARMS:
             result[f"{arm}_minus_before"] = paired_median_ms(totals[arm], totals[f"before_{arm}"])
+    # Each proxy process's own CPU time per request (the affinity process: keyed and
+    # keyless alike), a figure that other load on the machine barely moves.
+    result["cpu_us_per_request"] = cpu
     result["affinity_sessions"] = _sessions(sessions["this"])
     if before is not None:
         result["before_affinity_sessions"] = _sessions(sessions["before"])

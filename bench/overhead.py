@@ -22,7 +22,9 @@ another source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see
 ``bench/trees.py``), rotating with the others. ``*_before_added_ms`` is its added latency;
 ``*_proxy_minus_before`` the median of the per-round differences proxy - before, with a 95%
 interval, and ``relay_ratio_proxy_over_before`` the median of the per-round throughput
-ratios; ``trees`` records which files each proxy arm imports and their commits.
+ratios. ``cpu_us_per_request``: each proxy process's own CPU time per short request (from
+``/proc``), a figure that other load on the machine barely moves; ``trees`` records which
+files each proxy arm imports and their commits.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench.trees import Tree, paired_median_ms, rotated
+from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
 from proxy.testing.servers import free_port
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
@@ -110,16 +112,17 @@ def run(requests: int, events: int, before: Tree | None = None,
     trees = {"proxy": this.describe()}
     with ExitStack() as stack:
         stack.enter_context(process(fake_cmd, fake))
-        stack.enter_context(process([*this.serve(), *proxy_args, "--port", str(proxy_port)],
-                                    proxied, **this.popen_kwargs()))
-        stack.enter_context(process(floor_cmd, floor))
+        pids = {"proxy": stack.enter_context(process(
+            [*this.serve(), *proxy_args, "--port", str(proxy_port)], proxied,
+            **this.popen_kwargs())).pid}
+        pids["floor"] = stack.enter_context(process(floor_cmd, floor)).pid
         if before is not None:
             trees["before"] = before.describe()
             before_port = free_port()
             arms["before"] = f"http://127.0.0.1:{before_port}"
-            stack.enter_context(process([*before.serve(), *proxy_args, "--port",
-                                         str(before_port)], arms["before"],
-                                        **before.popen_kwargs()))
+            pids["before"] = stack.enter_context(process(
+                [*before.serve(), *proxy_args, "--port", str(before_port)], arms["before"],
+                **before.popen_kwargs())).pid
         client = stack.enter_context(httpx.Client(timeout=60))
         first: dict[str, list[float]] = {arm: [] for arm in arms}
         total: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -128,16 +131,21 @@ def run(requests: int, events: int, before: Tree | None = None,
             for _ in range(20):
                 timed_request(client, url, CHAT)
         order = list(arms)
+        cpu_start = {arm: cpu_seconds(pid) for arm, pid in pids.items()}
         for index in range(requests):
             for arm in rotated(order, index):
                 f, t, _ = timed_request(client, arms[arm], CHAT)
                 first[arm].append(f)
                 total[arm].append(t)
+        cpu = cpu_per_request_us(cpu_start, {arm: cpu_seconds(pid) for arm, pid in pids.items()},
+                                 dict.fromkeys(pids, requests))
         for index in range(streams):
             for arm in rotated(order, index):
                 _, seconds, n = timed_request(client, arms[arm], {**CHAT, "max_tokens": events})
                 throughput[arm].append(n / seconds)
     result = summarise(first, total, throughput, requests, events)
+    # Each proxy process's own CPU time per short request (barely moved by other load).
+    result["cpu_us_per_request"] = cpu
     result["trees"] = trees
     return result
 

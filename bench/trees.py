@@ -82,6 +82,30 @@ def _git(root: Path, *args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far, every thread's (``/proc/PID/task/*/schedstat``,
+    nanoseconds; None where the kernel does not say). Unlike latency, a process's own CPU
+    time per request barely moves when the machine is busy with other work."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
+def cpu_per_request_us(start: dict[str, float | None], end: dict[str, float | None],
+                       requests: dict[str, int]) -> dict[str, float]:
+    """Per process: microseconds of its CPU time per request it served in the window."""
+    out = {}
+    for name, before in start.items():
+        after = end.get(name)
+        if before is not None and after is not None and requests.get(name):
+            out[name] = round((after - before) / requests[name] * 1e6, 1)
+    return out
+
+
 def rotated(order: list[str], index: int) -> list[str]:
     """Round ``index``'s order: every arm takes every position equally often."""
     shift = index % len(order)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from bench.trees import HERE, Tree, paired_median_ms, rotated
+from bench.trees import (
+    HERE,
+    Tree,
+    cpu_per_request_us,
+    cpu_seconds,
+    paired_median_ms,
+    rotated,
+)
 
 
 def test_rotated_puts_every_arm_in_every_position() -> None:
@@ -45,3 +53,10 @@ def test_another_tree_shadows_the_installed_package(tmp_path: Path) -> None:
     described = Tree.other(tmp_path).describe()
     assert described["proxy_cli"] == str(tmp_path.resolve() / "proxy" / "cli.py")
     assert described["commit"] == ""  # not a git checkout
+
+
+def test_cpu_per_request_skips_processes_the_kernel_did_not_report() -> None:
+    assert cpu_seconds(os.getpid()) is not None  # this process: /proc answers
+    per = cpu_per_request_us({"proxy": 1.0, "before": None}, {"proxy": 1.5, "before": 2.0},
+                             {"proxy": 500, "before": 500})
+    assert per == {"proxy": 1000.0}
