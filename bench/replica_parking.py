@@ -207,7 +207,8 @@ def wait_lanes_ready(replica: ReplicaProcess, lanes: int, *, parking: bool,
     deadline = time.monotonic() + timeout
     backends: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        backends = httpx.get(f"{replica.url}/sessions", timeout=10).json().get("backends") or []
+        view = httpx.get(f"{replica.admin_url}/sessions", timeout=10).json()
+        backends = view.get("backends") or []
         if len(backends) == lanes and all(b["slots"] and b["up"] and (
                 b.get("parking") or not parking) for b in backends):
             return

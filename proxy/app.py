@@ -1,35 +1,53 @@
-"""The ASGI app factory. State is built in the lifespan and passed explicitly; nothing global.
+"""The ASGI app factories. State is built in the lifespan and passed explicitly; nothing global.
 
-``create_app(settings)`` fronts the engines at ``settings.upstream`` and ``upstreams`` (or
-runs the embedded engine when none is given), always through one router (``proxy.router``):
-one engine is a router with one lane. Tests and benchmarks inject ``transport`` (an httpx
-transport, e.g. ``StreamingASGITransport`` over a fake engine) or ``transports`` per
-upstream URL instead of network connections.
+Two listeners, one process, one state (issue 16: tenants never reach what is not theirs):
+
+- the **tenant app** (``ProxyApps.tenant``, the ``--port`` listener) serves the pipeline's
+  routes (``proxy.codecs.routes()``), ``GET /healthz`` and the read-only engine paths of
+  ``proxy.passthrough.TENANT_PATHS``. Every other path is a 403 naming the operator
+  listener: ``/slots`` (erase, save, restore), llama-server's native ``/completion`` and
+  ``/infill`` (they take ``id_slot`` and report another prefix's ``cache_n``; the pipeline
+  will serve them later), Ollama's ``/api/delete``, ``/api/pull``, ... and the views.
+- the **operator app** (``ProxyApps.operator``, ``--admin-listen``) serves the status page,
+  ``/sessions``, ``/metrics``, ``/healthz`` and every engine path as it came; with
+  ``--admin-token`` only to requests carrying ``Authorization: Bearer <token>``.
+
+``create_apps(settings)`` builds both around one ``StateHolder``: the tenant app's lifespan
+opens the router (fronting the engines at ``settings.upstream`` and ``upstreams``, or the
+embedded engine when none is given) and puts the ``AppState`` in the holder, which the
+operator app reads (it has no lifespan of its own, and answers 503 until the state is
+there). ``create_app`` is the tenant app alone. Tests and benchmarks inject ``transport``
+(an httpx transport, e.g. ``StreamingASGITransport`` over a fake engine) or ``transports``
+per upstream URL instead of network connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import ProxyError, error_response, openai_error
 from proxy.codecs import Codec
 from proxy.codecs import routes as codec_routes
 from proxy.logs import get_logger
 from proxy.metrics import Metrics
-from proxy.passthrough import forward
+from proxy.passthrough import TENANT_PATHS, forward
+from proxy.paths import canonical_paths
 from proxy.router import Router, open_router
 from proxy.service import ProxyService
 from proxy.sessions import SessionStore
@@ -37,6 +55,7 @@ from proxy.settings import Settings
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 @dataclass(slots=True)
@@ -56,16 +75,59 @@ class AppState:
         return self.router.lanes[0].service
 
 
-def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
-               transports: Mapping[str, httpx.AsyncBaseTransport] | None = None) -> Starlette:
+class NotStarted(ProxyError):
+    status_code = 503
+    error_type = "server_error"
+    code = "starting"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+class StateHolder:
+    """The one ``AppState`` both listeners serve: set by the tenant app's lifespan, read by
+    both apps' routes."""
+
+    def __init__(self) -> None:
+        self.state: AppState | None = None
+
+    def get(self) -> AppState:
+        if self.state is None:
+            raise NotStarted("prefixpin is starting (or stopping): try again shortly")
+        return self.state
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyApps:
+    tenant: Starlette  # --port: what tenants may reach; its lifespan owns the router
+    operator: Starlette  # --admin-listen: the views and every engine path
+    holder: StateHolder
+
+    @property
+    def tenant_listener(self) -> ASGIApp:
+        """What the tenant port serves: the tenant app behind the canonical path
+        (``proxy.paths``: an alias is routed as the path it means, or refused)."""
+        return canonical_paths(self.tenant)
+
+    @property
+    def operator_listener(self) -> ASGIApp:
+        """What the operator listener serves, behind the canonical path too."""
+        return canonical_paths(self.operator)
+
+
+def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+                transports: Mapping[str, httpx.AsyncBaseTransport] | None = None) -> ProxyApps:
     metrics = Metrics()
     logger = get_logger()
+    holder = StateHolder()
+    operator = _operator_app(settings, holder)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         router = await open_router(settings, metrics, logger, transports=transports,
                                    transport=transport)
-        app.state.prefixpin = AppState(settings, router, metrics, time.time())
+        state = AppState(settings, router, metrics, time.time())
+        holder.state = app.state.prefixpin = operator.state.prefixpin = state
         try:
             # The first probe runs before the first request is served; an engine that is
             # down does not hold the proxy up (its lane keeps probing in the background).
@@ -74,42 +136,114 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                     await router.first_probe.wait()
             yield
         finally:
+            holder.state = None
             await router.aclose()
 
-    routes = [
-        *(_pipeline_route(path, codec) for path, codec in codec_routes().items()),
-        Route("/healthz", _healthz, methods=["GET"]),
-        Route("/metrics", _metrics, methods=["GET"]),
-        Route("/sessions", _sessions, methods=["GET"]),
+    refused = _operator_only(settings)
+    routes: list[BaseRoute] = [
+        *(_pipeline_route(path, codec, holder) for path, codec in codec_routes().items()),
+        Route("/healthz", _healthz(holder), methods=["GET"]),
+        *(Route(path, _passthrough(holder, path), methods=[method])
+          for path, method in TENANT_PATHS.items()),
+        Route("/{path:path}", refused, methods=ALL_METHODS),
+    ]
+    tenant = Starlette(routes=routes, lifespan=lifespan,
+                       exception_handlers={ProxyError: _proxy_error, Exception: _unexpected})
+    return ProxyApps(tenant, operator, holder)
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+               transports: Mapping[str, httpx.AsyncBaseTransport] | None = None) -> Starlette:
+    """The tenant app alone (its operator app is unreachable): for tests and benches that
+    need no operator view."""
+    return create_apps(settings, transport=transport, transports=transports).tenant
+
+
+def _operator_app(settings: Settings, holder: StateHolder) -> Starlette:
+    token = settings.admin_token
+    routes: list[BaseRoute] = [
+        Route("/healthz", _healthz(holder), methods=["GET"]),
+        Route("/metrics", _metrics(holder), methods=["GET"]),
+        Route("/sessions", _sessions(holder), methods=["GET"]),
         Route("/", _status_page, methods=["GET"]),
         Mount("/_prefixpin", StaticFiles(directory=STATIC_DIR), name="static"),
-        Route("/{path:path}", _passthrough, methods=ALL_METHODS),
+        # The operator's Authorization is prefixpin's token, not the engine's.
+        Route("/{path:path}", _passthrough(holder, None, drop_authorization=token is not None),
+              methods=ALL_METHODS),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
+    middleware = ([] if token is None else
+                  [Middleware(BearerGate, token=token.get_secret_value())])
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={ProxyError: _proxy_error, Exception: _unexpected})
 
 
-def state_of(request: Request) -> AppState:
-    state: AppState = request.app.state.prefixpin
-    return state
+class BearerGate:
+    """Every operator request carries ``Authorization: Bearer <--admin-token>`` (compared in
+    constant time), else 401."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    openai_error("the operator listener needs Authorization: Bearer "
+                                 "<--admin-token>", "authentication_error",
+                                 code="invalid_admin_token"),
+                    status_code=401, headers={"WWW-Authenticate": 'Bearer realm="prefixpin"'})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _pipeline_route(path: str, codec: Codec) -> Route:
+def _operator_only(settings: Settings) -> Handler:
+    """The tenant port's answer for every path that is not a tenant's: 403, naming where the
+    operator finds it (Ollama's error shape under ``/api/``, else OpenAI's)."""
+    where = f"the operator port {settings.admin_display()} (--admin-listen)"
+
+    async def refuse(request: Request) -> Response:
+        path = request.url.path
+        message = (f"{request.method} {path} is not served on this port: it is served on "
+                   f"{where}")
+        if path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=403)
+        return JSONResponse(openai_error(message, "permission_error", code="operator_only"),
+                            status_code=403)
+
+    return refuse
+
+
+def _pipeline_route(path: str, codec: Codec, holder: StateHolder) -> Route:
     """A route of the request path, answered in its codec's wire format."""
     async def handle(request: Request) -> Response:
-        return await state_of(request).router.handle(request, codec)
+        return await holder.get().router.handle(request, codec)
 
     return Route(path, handle, methods=["POST"], name=f"{codec.name} {path}")
 
 
-async def _passthrough(request: Request) -> Response:
-    lane = state_of(request).router.lane_for_passthrough()
-    return await forward(request, lane.service.backend.adapter.http)
+def _passthrough(holder: StateHolder, path: str | None, *,
+                 drop_authorization: bool = False) -> Handler:
+    """To the first lane that answers, as it came: to ``path`` (a tenant path, the route's
+    own) or, on the operator listener (``None``), to the request's path."""
+    dropped = ("authorization",) if drop_authorization else ()
+
+    async def handle(request: Request) -> Response:
+        lane = holder.get().router.lane_for_passthrough()
+        return await forward(request, lane.service.backend.adapter.http, path=path,
+                             drop_headers=dropped)
+
+    return handle
 
 
-async def _metrics(request: Request) -> Response:
-    body = state_of(request).metrics.exposition()
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+def _metrics(holder: StateHolder) -> Handler:
+    async def handle(request: Request) -> Response:
+        body = holder.get().metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return handle
 
 
 async def _status_page(request: Request) -> Response:
@@ -117,22 +251,28 @@ async def _status_page(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
 
-async def _sessions(request: Request) -> Response:
+def _sessions(holder: StateHolder) -> Handler:
     """Per namespace: each session, its slot, committed tokens and last decision; per
     backend: its slots and parked sessions."""
-    return JSONResponse(state_of(request).router.sessions_view())
+    async def handle(request: Request) -> Response:
+        return JSONResponse(holder.get().router.sessions_view())
+
+    return handle
 
 
-async def _healthz(request: Request) -> Response:
-    state = state_of(request)
-    router = state.router
-    upstreams = await router.health()
-    healthy = any(u["status"] == "ok" for u in upstreams)
-    body = {"status": "ok" if healthy else "degraded",
-            "uptime_s": round(time.time() - state.started),
-            "inflight": sum(len(lane.service.generations) for lane in router.lanes),
-            "replica": router.replica, "upstream": upstreams[0], "upstreams": upstreams}
-    return JSONResponse(body, status_code=200 if healthy else 503)
+def _healthz(holder: StateHolder) -> Handler:
+    async def handle(request: Request) -> Response:
+        state = holder.get()
+        router = state.router
+        upstreams = await router.health()
+        healthy = any(u["status"] == "ok" for u in upstreams)
+        body = {"status": "ok" if healthy else "degraded",
+                "uptime_s": round(time.time() - state.started),
+                "inflight": sum(len(lane.service.generations) for lane in router.lanes),
+                "replica": router.replica, "upstream": upstreams[0], "upstreams": upstreams}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    return handle
 
 
 async def _proxy_error(request: Request, exc: Exception) -> Response:

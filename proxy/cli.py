@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,6 +21,11 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--engine": ("engine", str, "auto | llama-server | ollama | embedded"),
     "--host": ("host", str, "listen address (default 127.0.0.1)"),
     "--port": ("port", int, "listen port (default 8088)"),
+    "--admin-listen": ("admin_listen", str, "HOST:PORT of the operator listener: status page, "
+                       "/sessions, /metrics and every engine path (default 127.0.0.1:<port+1>)"),
+    "--admin-token": ("admin_token", str, "bearer token every operator request must carry; "
+                      "required when --admin-listen is beyond loopback (env "
+                      "PREFIXPIN_ADMIN_TOKEN)"),
     "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
     "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
@@ -57,7 +64,14 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 SWITCHES = {"affinity": "session affinity", "repair": "history repair", "parking": "parking"}
 # Off unless given (--no-X turns them off again).
-OPTIONS = {"park-shared": ("park_shared", "every engine's --slot-save-path is --park-dir, one "
+OPTIONS = {"allow-shared-cache": ("allow_shared_cache", "let several namespaces (bearer "
+                                  "tokens) share an engine whose prompt cache crosses slots "
+                                  "(llama-server with --cache-ram above 0, its default; every "
+                                  "Ollama). This gives up tenant isolation: a tenant may then "
+                                  "learn another's cached prefixes (system prompts, documents) "
+                                  "from cached_tokens (default off: a second namespace on such "
+                                  "an engine is refused; env PREFIXPIN_ALLOW_SHARED_CACHE=1)"),
+           "park-shared": ("park_shared", "every engine's --slot-save-path is --park-dir, one "
                            "directory for all engines and replicas: a session parked by one "
                            "engine may be restored into another running the same model "
                            "(default off: per-engine save directories; env "
@@ -76,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         serve.add_argument(flag, dest=field, type=kind, help=text)
     serve.add_argument("--upstreams-file", dest="upstreams_file", help="file with one engine "
-                       "base URL a line (# comments): backends besides --upstream")
+                       "base URL a line (# comments): backends besides --upstream; a URL "
+                       "followed by namespace=NS[,NS...] serves only those namespaces (as "
+                       "/sessions shows them)")
     for name, text in SWITCHES.items():
         serve.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                            help=f"{text} on/off (env PREFIXPIN_{name.upper()}=0 turns it off)")
@@ -94,7 +110,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {k: v for k, v in vars(args).items() if k not in ("command", "upstreams_file")}
     urls: list[str] = list(given.pop("upstream", None) or [])
     if (path := getattr(args, "upstreams_file", None)) is not None:
-        urls += read_upstreams_file(path)
+        entries = read_upstreams_file(path)
+        urls += [entry.url for entry in entries]
+        dedicated = {entry.url: list(entry.namespaces) for entry in entries if entry.namespaces}
+        if dedicated:
+            given["upstream_namespaces"] = dedicated
     if urls:
         given["upstream"] = urls[0]
     if len(urls) > 1:  # else PREFIXPIN_UPSTREAMS, if set, still applies
@@ -102,11 +122,43 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def read_upstreams_file(path: str) -> list[str]:
-    """One base URL a line; blank lines and ``#`` comments are skipped."""
+@dataclass(frozen=True, slots=True)
+class UpstreamEntry:
+    url: str
+    namespaces: tuple[str, ...] = ()  # empty: any namespace
+
+
+class UpstreamsFileError(ValueError):
+    pass
+
+
+_NAMESPACE = re.compile(r"^(anon|t-[0-9a-f]{16})$")
+
+
+def read_upstreams_file(path: str) -> list[UpstreamEntry]:
+    """One base URL a line, optionally followed by ``namespace=NS[,NS...]`` (the backend
+    then serves only those namespaces); blank lines and ``#`` comments are skipped."""
     with open(path, encoding="utf-8") as handle:
         lines = [line.split("#", 1)[0].strip() for line in handle]
-    return [line for line in lines if line]
+    return [parse_upstream_line(line, f"{path}:{number}")
+            for number, line in enumerate(lines, 1) if line]
+
+
+def parse_upstream_line(line: str, where: str = "") -> UpstreamEntry:
+    url, *options = line.split()
+    namespaces: list[str] = []
+    for option in options:
+        name, sep, value = option.partition("=")
+        if name != "namespace" or not sep:
+            raise UpstreamsFileError(f"{where}: unknown option {option!r} (only "
+                                     "namespace=NS[,NS...] follows a URL)")
+        for namespace in value.split(","):
+            if not _NAMESPACE.match(namespace):
+                raise UpstreamsFileError(
+                    f"{where}: {namespace!r} is not a namespace id (t- and 16 hex digits, "
+                    "as /sessions shows it, or anon)")
+            namespaces.append(namespace)
+    return UpstreamEntry(url, tuple(dict.fromkeys(namespaces)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except OSError as exc:
         print(f"prefixpin: cannot read --upstreams-file: {exc}", file=sys.stderr)
+        return 2
+    except UpstreamsFileError as exc:
+        print(f"prefixpin: invalid --upstreams-file: {exc}", file=sys.stderr)
         return 2
     except ValidationError as exc:
         print(f"prefixpin: invalid settings: {exc}", file=sys.stderr)

@@ -16,6 +16,10 @@ What it reads, strongest evidence first:
    and whether a prompt that shares only a prefix reuses it (sliding-window models without
    ``--swa-full`` and recurrent models cannot roll back). ``--probe-context-shift`` adds
    one request that fills a slot to its end, the only way to see context shift over HTTP.
+   ``--probe-shared-cache`` shows whether the host prompt cache (``--cache-ram``) crosses
+   slots: a ~200-token prompt cached on one slot, pushed out of it, then asked for on
+   another slot; a cache hit there means tenants on this server can read each other's
+   cached prefixes (``proxy.isolation``).
 4. The GGUF metadata, when ``/props.model_path`` is a readable file here: sliding window,
    recurrent layers, and the KV bytes a full slot takes (to judge ``--cache-ram``).
 
@@ -60,6 +64,7 @@ SLOT_ACTION_PROBE = "prefixpin-doctor-probe"
 # Probe prompt sizes in tokens. The first one is big enough that its KV state (SmolLM2:
 # ~23 KiB a token) exceeds a 1 MiB --cache-ram, small enough to cost nothing on a GPU.
 PROBE_TOKENS, SECOND_TOKENS, EDIT_KEEP, EDIT_TAIL = 64, 16, 32, 8
+SHARED_TOKENS = 200  # --probe-shared-cache: the prefix one "tenant" leaves in the cache
 CONTEXT_SHIFT_PREDICT = 12
 
 
@@ -76,6 +81,9 @@ class ProbeResults:
     idle_slot_restored: bool | None = None
     rollback: bool | None = None
     context_shift: bool | None = None
+    shared_cache: bool | None = None  # a prefix cached on one slot was reused on another
+    shared_cache_n: int | None = None  # cache_n of that request
+    shared_cache_slots: tuple[int, int] = (0, 0)  # (where it was cached, where it was asked)
     errors: list[str] = field(default_factory=list)
 
 
@@ -163,9 +171,12 @@ class _Prober:
         self.first, self.second = _probe_slots(slots, total)
         self.results.first_slot, self.results.second_slot = self.first, self.second
 
-    def run(self, *, context_shift: bool, slot_ctx: int | None) -> ProbeResults:
+    def run(self, *, context_shift: bool, slot_ctx: int | None,
+            shared_cache: bool = False) -> ProbeResults:
         try:
             self._run_all(context_shift, slot_ctx)
+            if shared_cache:
+                self._shared_cache()
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # A probe that fails leaves its finding unknown; the error is reported.
             self.results.errors.append(f"{type(exc).__name__}: {exc}")
@@ -193,6 +204,26 @@ class _Prober:
             r.rollback = self._cached(edited, holder) >= EDIT_KEEP // 2
         if context_shift and slot_ctx:
             r.context_shift = self._shifts_context(first, holder, slot_ctx)
+
+    def _shared_cache(self) -> None:
+        """A prefix cached on one slot, then pushed out of it by an unrelated prompt (which
+        makes llama-server save it to its host RAM cache, when it has one), then asked for
+        on the other slot, itself holding something unrelated: a cache hit there came from
+        a cache all slots read."""
+        r = self.results
+        prefix = self._tokens("Shared cache probe. You are the assistant of tenant A; its "
+                              "private instructions follow, word by word:", SHARED_TOKENS)
+        unrelated = self._tokens("zebra quartz violin harbor eleven", SHARED_TOKENS)
+        filler = self._tokens("mango seventy lantern", SECOND_TOKENS)
+        tail = self._tokens("and the question is what comes next", EDIT_TAIL)
+        self._complete(prefix, self.first)
+        self._complete(unrelated, self.first)  # the prefix leaves its slot
+        asked = self.second
+        if asked != self.first:
+            self._complete(filler, asked)
+        cached = self._cached(prefix + tail, asked)
+        r.shared_cache_n, r.shared_cache_slots = cached, (self.first, asked)
+        r.shared_cache = cached >= len(prefix) // 2
 
     def _tokens(self, text: str, n: int) -> list[int]:
         words = (text + " ") * (n // 2 + 4)
@@ -256,7 +287,8 @@ def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, i
 
 
 def collect(upstream: str, *, probe: bool = True, local: bool = True,
-            probe_context_shift: bool = False, timeout: float = 120.0) -> Observations:
+            probe_context_shift: bool = False, probe_shared_cache: bool = False,
+            timeout: float = 120.0) -> Observations:
     """Read everything doctor judges. Raises UpstreamUnavailableError when the server
     cannot be reached or is not ready."""
     client = _Client(upstream, timeout)
@@ -281,7 +313,8 @@ def collect(upstream: str, *, probe: bool = True, local: bool = True,
             total = int(props.get("total_slots") or len(slots or []) or 1)
             slot_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
             results = _Prober(client, slots, total).run(context_shift=probe_context_shift,
-                                                        slot_ctx=slot_ctx)
+                                                        slot_ctx=slot_ctx,
+                                                        shared_cache=probe_shared_cache)
         return Observations(upstream, props if isinstance(props, dict) else {},
                             health.status_code, slots, slots_response.status_code,
                             metrics.status_code, action.status_code, _error_message(action),
@@ -306,7 +339,7 @@ def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Findi
     return [
         _metrics(obs), _slots_endpoint(obs), _slot_save_path(obs), _cache_prompt(obs),
         _unified_idle_slots(obs), _rollback(obs), _context_shift(obs), _return_progress(obs),
-        _slot_context(obs, min_ctx), _slot_similarity(obs),
+        _slot_context(obs, min_ctx), _slot_similarity(obs), _shared_cache(obs),
     ]
 
 
@@ -567,6 +600,38 @@ def _slot_similarity(obs: Observations) -> Finding:
                    evidence=evidence)
 
 
+def _shared_cache(obs: Observations) -> Finding:
+    """llama-server's host prompt cache is shared by all slots: with several tenants on
+    one server, one can learn from ``cached_tokens`` whether it guessed another's prefix."""
+    from proxy.isolation import FIX
+
+    probes = obs.probes
+    probed = probes.shared_cache if probes else None
+    cache_ram = obs.flags.number("cache_ram") if obs.flags else None
+    evidence = _flag_evidence(obs, "cache_ram")
+    if probes is not None and probed is not None:
+        cached_on, asked_on = probes.shared_cache_slots
+        seen = (f"a {SHARED_TOKENS}-token prefix cached on slot {cached_on}, then pushed out "
+                f"of it, was asked for on slot {asked_on}: cache_n {probes.shared_cache_n}")
+        evidence = _join(evidence, seen)
+    shared = probed if probed is not None else (None if obs.flags is None else cache_ram != 0)
+    if shared is None:
+        return Finding("shared-cache", "unknown", "--cache-ram",
+                       "could not tell whether the host prompt cache (--cache-ram, 8192 MiB "
+                       "by default) is shared by all slots; prefixpin assumes it is and "
+                       "serves one namespace (bearer token) on this server. Run doctor on "
+                       "the server's host, or with --probe-shared-cache", FIX)
+    if not shared:
+        return Finding("shared-cache", "ok", "--cache-ram",
+                       "no prompt cache crosses slots: several tenants can share this server",
+                       evidence=evidence)
+    return Finding("shared-cache", "warning", "--cache-ram",
+                   "the host prompt cache (--cache-ram) is shared by all slots: a tenant "
+                   "whose prompt starts with a guess of another's system prompt reads from "
+                   "cached_tokens whether it guessed right, so prefixpin serves one namespace "
+                   "(bearer token) on this server and refuses the others", FIX, evidence)
+
+
 # ---------------------------------------------------------------- the recommendation
 
 def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]:
@@ -668,11 +733,12 @@ def render_text(report: Report) -> str:
 
 
 def run(upstream: str, *, probe: bool = True, local: bool = True,
-        probe_context_shift: bool = False, min_ctx: int = DEFAULT_MIN_CTX,
-        timeout: float = 120.0) -> Report:
+        probe_context_shift: bool = False, probe_shared_cache: bool = False,
+        min_ctx: int = DEFAULT_MIN_CTX, timeout: float = 120.0) -> Report:
     try:
         obs = collect(upstream, probe=probe, local=local,
-                      probe_context_shift=probe_context_shift, timeout=timeout)
+                      probe_context_shift=probe_context_shift,
+                      probe_shared_cache=probe_shared_cache, timeout=timeout)
     except UpstreamUnavailableError as exc:
         return Report(upstream, False, [], [], {}, [], error=exc.message)
     return build_report(obs, min_ctx=min_ctx)
@@ -689,6 +755,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send no completions (flags that need them stay unknown)")
     parser.add_argument("--probe-context-shift", action="store_true",
                         help="also fill one slot to its end to see whether context shift is on")
+    parser.add_argument("--probe-shared-cache", action="store_true",
+                        help="also show whether the host prompt cache crosses slots: a "
+                        f"{SHARED_TOKENS}-token prompt cached on one slot, pushed out, then "
+                        "asked for on another (about 600 prompt tokens; evicts those two "
+                        "slots' prompts into the server's host cache)")
     parser.add_argument("--no-local", dest="local", action="store_false",
                         help="do not read the server process's command line from /proc")
     parser.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,
@@ -699,7 +770,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> int:
     report = run(args.upstream, probe=args.probe, local=args.local,
-                 probe_context_shift=args.probe_context_shift, min_ctx=args.min_ctx,
+                 probe_context_shift=args.probe_context_shift,
+                 probe_shared_cache=args.probe_shared_cache, min_ctx=args.min_ctx,
                  timeout=args.timeout)
     if args.json:
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")

@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -28,6 +29,7 @@ from adapters.base import Adapter, EngineInfo
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
 from proxy.affinity import AffinityPlanner
+from proxy.engine_facts import ServerFlags, local_server_flags
 from proxy.implicit import Fingerprinter, load_fingerprinter
 from proxy.lane import Lane, SharedState
 from proxy.logs import log_event
@@ -140,6 +142,75 @@ async def open_embedded_adapter(settings: Settings) -> Adapter:
 
 def label_of(url: str) -> str:
     return httpx.URL(url).netloc.decode() or url
+
+
+# ------------------------------------------------------------------ the prompt cache across slots
+
+OLLAMA_SHARED = ("Ollama shares cached prefixes across requests (its runner is llama-server "
+                 "with a host prompt cache, and it takes no id_slot)")
+FLAGS_UNREADABLE = ("assumed shared: llama-server's flags are not readable here (not on this "
+                    "host, or another user's process), and its host prompt cache (--cache-ram, "
+                    "8192 MiB by default) is shared by all slots")
+
+
+def shared_cache_reason(adapter_name: str, flags: ServerFlags | None,
+                        props: Mapping[str, Any]) -> str | None:
+    """Why this engine's prompt cache crosses slots, or None when it does not.
+
+    - the embedded engine: one ``llama_context`` per slot and no host cache (a slot reuses
+      only its own tokens: ``adapters.embedded.generate``);
+    - Ollama: always;
+    - llama-server: ``--cache-ram`` above 0 (its default) or -1 (no limit) saves a slot
+      about to be overwritten into one RAM cache every slot loads from. Read from its
+      command line when local, else from ``/props.cache_ram`` (MiB) when the engine says
+      it (the test fake does), else assumed shared (the safe default)."""
+    if adapter_name == "embedded":
+        return None
+    if adapter_name == "ollama":
+        return OLLAMA_SHARED
+    if flags is not None:
+        cache_ram = flags.number("cache_ram")
+        if cache_ram == 0:
+            return None
+        size = f"{cache_ram:g}" if cache_ram is not None else "8192"
+        given = (f"--cache-ram {size} on the {flags.source}" if flags.is_set("cache_ram")
+                 else f"--cache-ram not on the {flags.source}: default {size} MiB")
+        return f"llama-server's host prompt cache is shared by all slots ({given})"
+    declared = props.get("cache_ram")
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        if declared == 0:
+            return None
+        return ("llama-server's host prompt cache is shared by all slots "
+                f"(/props cache_ram {declared})")
+    return FLAGS_UNREADABLE
+
+
+async def shared_cache_of(lane: Lane, info: EngineInfo, logger: logging.Logger) -> str | None:
+    """The lane's engine as it answers now (its flags read in a thread: /proc, --help)."""
+    name = lane.service.backend.adapter.name
+    flags = None
+    if name == "llama-server" and lane.url is not None:
+        flags = await asyncio.to_thread(local_server_flags, lane.url)
+    reason = shared_cache_reason(name, flags, info.props)
+    if reason is None:
+        log_event(logger, logging.INFO, "prompt cache per slot", upstream=lane.label,
+                  engine=name)
+    else:
+        log_event(logger, logging.WARNING if reason == FLAGS_UNREADABLE else logging.INFO,
+                  "shared prompt cache", upstream=lane.label, engine=name, reason=reason,
+                  hint="a second namespace is refused here unless the backend is dedicated "
+                       "to it (--upstreams-file namespace=) or --allow-shared-cache is given")
+    return reason
+
+
+async def watch_shared_cache(lane: Lane, info: EngineInfo, logger: logging.Logger) -> None:
+    """Set ``lane.shared_cache`` now, and again after each restart (its flags may change)."""
+    lane.shared_cache = await shared_cache_of(lane, info, logger)
+
+    async def restarted(before: EngineInfo, after: EngineInfo) -> None:
+        lane.shared_cache = await shared_cache_of(lane, after, logger)
+
+    lane.watch.on_restart.append(restarted)
 
 
 # ------------------------------------------------------------------ policies

@@ -67,6 +67,7 @@ class Generation:
         self.timeline = Timeline()
         self._wakeup = asyncio.Event()
         self._subscribers = 0
+        self._subscribed = False  # some client read it (and so can have left it)
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._done_callbacks: list[Callable[[Generation], None]] = []
@@ -77,6 +78,11 @@ class Generation:
         ended without one."""
         return self.completed or self.finished
 
+    @property
+    def abandoned(self) -> bool:
+        """Every client that read it has left: it runs on for ``grace_s``, for a retry."""
+        return self._subscribed and self._subscribers == 0 and not self.answered
+
     def on_done(self, callback: Callable[[Generation], None]) -> None:
         """Run ``callback`` when the generation finishes (after the figures are recorded)."""
         self._done_callbacks.append(callback)
@@ -86,6 +92,7 @@ class Generation:
 
     def subscribe(self) -> Subscriber:
         self._subscribers += 1
+        self._subscribed = True
         if self._grace_handle is not None:
             self._grace_handle.cancel()
             self._grace_handle = None

@@ -26,6 +26,50 @@ SHAPE_FIELDS = ("model", "tools", "tool_choice", "parallel_tool_calls", "chat_te
                 "reasoning_effort", "reasoning_format", "functions",
                 "think", "system", "template", "raw", "suffix", "images", "context")
 
+# What a committed history keeps of each message: the keys a chat template renders (and
+# Ollama's native ones: ``thinking``, ``images``, ``tool_name``), and the reasoning fields
+# history repair restores. Anything else in a message never reaches the prompt, and is
+# not kept: a client's 4 MiB junk key would otherwise live on in every session it sent.
+RENDERED_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                           "tool_name", "reasoning_content", "thinking", "reasoning",
+                           "images"})
+_CALL_KEYS = frozenset({"id", "type", "index", "function"})
+_FUNCTION_KEYS = frozenset({"name", "arguments", "index"})
+
+
+def rendered(message: Any) -> Any:
+    """The part of a message the prompt is made of (the message itself when that is all
+    of it): unknown keys dropped, and those of its tool calls. Not a mapping: as is."""
+    if not isinstance(message, Mapping):
+        return message
+    calls = message.get("tool_calls")
+    kept_calls = _rendered_calls(calls) if isinstance(calls, list) else calls
+    if kept_calls is calls and message.keys() <= RENDERED_KEYS:
+        return message
+    out = {k: v for k, v in message.items() if k in RENDERED_KEYS}
+    if "tool_calls" in out:
+        out["tool_calls"] = kept_calls
+    return out
+
+
+def _rendered_calls(calls: list[Any]) -> list[Any]:
+    def call_of(call: Any) -> Any:
+        if not isinstance(call, Mapping):
+            return call
+        function = call.get("function")
+        if isinstance(function, Mapping) and not function.keys() <= _FUNCTION_KEYS:
+            function = {k: v for k, v in function.items() if k in _FUNCTION_KEYS}
+        elif call.keys() <= _CALL_KEYS:
+            return call
+        out = {k: v for k, v in call.items() if k in _CALL_KEYS}
+        if "function" in out:
+            out["function"] = function
+        return out
+
+    kept = [call_of(c) for c in calls]
+    return calls if all(a is b for a, b in zip(kept, calls, strict=True)) else kept
+
+
 Cause = Literal["reasoning_stripped", "tool_result_trimmed", "tool_args_reserialized",
                 "window_moved", "system_changed", "tools_changed", "edited", "new_turn_only",
                 "shorter", "none"]
@@ -58,22 +102,45 @@ def digest(value: Any) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """The part of a forwarded request that the engine's cache now holds."""
+    """The part of a forwarded request that the engine's cache now holds.
+
+    ``messages`` keeps of each message only what the prompt is made of (``rendered``);
+    ``digests`` are those of the messages *as forwarded*, whole: bytes decide on what the
+    client sends, exactly as before, and a message that differs only in a key the engine
+    ignores still reads as a change (a resend with the same junk extends as ever).
+    ``size``: the bytes it holds, what the per-namespace budget counts.
+    """
 
     messages: tuple[Mapping[str, Any], ...]
     digests: tuple[bytes, ...]
     shape: Shape
     prompt: str | None = None  # /v1/completions: the raw prompt text
     body: Mapping[str, Any] | None = None  # the forwarded request (to render it again)
+    size: int = -1  # computed when not given
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            object.__setattr__(self, "size", self._measure())
+
+    def _measure(self) -> int:
+        size = len(canonical_bytes(list(self.messages))) + 32 * len(self.digests)
+        if self.prompt is not None:
+            size += len(self.prompt.encode("utf-8", "replace"))
+        if self.body is not None:
+            size += len(canonical_bytes({k: v for k, v in self.body.items()
+                                         if k != "messages"}))
+        return size
 
     @classmethod
     def of_chat(cls, body: Mapping[str, Any],
                 digests: Sequence[bytes] | None = None) -> Committed:
         """``digests``, when the caller has them, must be those of ``body["messages"]``."""
-        messages = tuple(body.get("messages") or ())
-        known = tuple(digests) if digests is not None and len(digests) == len(messages) else \
-            tuple(digest(m) for m in messages)
-        kept = {k: v for k, v in body.items() if k in ("messages", *SHAPE_FIELDS)}
+        forwarded = tuple(body.get("messages") or ())
+        known = tuple(digests) if digests is not None and len(digests) == len(forwarded) \
+            else tuple(digest(m) for m in forwarded)
+        messages = tuple(rendered(m) for m in forwarded)
+        kept = {k: v for k, v in body.items() if k in SHAPE_FIELDS}
+        kept["messages"] = list(messages)
         return cls(messages, known, shape_digest(body), body=kept)
 
     @classmethod

@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # the redis package is only needed with --redis
     from proxy.parking import ParkManager
 
 
+NOT_PROBED = ("assumed shared: the engine has not answered yet (llama-server's host prompt "
+              "cache, --cache-ram, is on by default and every Ollama shares cached prefixes)")
+
+
 @dataclass(frozen=True, slots=True)
 class SharedState:
     """What replicas share (``--redis``): the connection, and the session table on it."""
@@ -38,6 +42,13 @@ class Lane:
     parking: ParkManager | None = None
     models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
     load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
+    # A dedicated backend (--upstreams-file namespace=): only these namespaces are placed
+    # here; empty: any namespace.
+    namespaces: frozenset[str] = frozenset()
+    # Why the engine's prompt cache crosses slots (a tenant could then read another's
+    # cached prefixes), or None when it does not: known once the engine answers
+    # (``proxy.engines.shared_cache_of``), assumed until then.
+    shared_cache: str | None = NOT_PROBED
 
     @property
     def up(self) -> bool:

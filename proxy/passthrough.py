@@ -1,12 +1,13 @@
-"""Every path the proxy does not own goes to the engine unchanged, streaming both ways.
+"""Engine paths the proxy does not own go to the engine unchanged, streaming both ways.
 
-llama-server's own endpoints (``/props``, ``/slots``, ``/tokenize``, ``/completion``, ...)
-and Ollama's (``/api/tags``, ...) keep working through the proxy.
+Which paths: on the tenants' port only ``TENANT_PATHS`` (read-only, no slot or cache
+touched); every other engine path (``/slots``, ``/completion``, Ollama's ``/api/delete``,
+...) only on the operator listener (``proxy.app``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import httpx
 from starlette.background import BackgroundTask
@@ -14,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from adapters._http import map_httpx_errors
+from proxy.paths import PathRejected, is_canonical
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to one connection, never forwarded.
 HOP_BY_HOP = frozenset({
@@ -22,18 +24,39 @@ HOP_BY_HOP = frozenset({
 })
 
 
+# The engine paths a tenant may reach, by method: they read the model, its tokenizer and
+# template, never a slot or a cache. llama-server's, then Ollama's.
+TENANT_PATHS: dict[str, str] = {
+    "/v1/models": "GET", "/models": "GET", "/health": "GET", "/props": "GET",
+    "/tokenize": "POST", "/detokenize": "POST", "/apply-template": "POST",
+    "/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET",
+}
+
+
 async def forward(request: Request, http: httpx.AsyncClient,
-                  content: bytes | None = None) -> StreamingResponse:
+                  content: bytes | None = None, *, path: str | None = None,
+                  drop_headers: Iterable[str] = ()) -> StreamingResponse:
     """The request as it came (its body streamed, or ``content`` when the caller already
-    read it), and the engine's answer streamed back as it comes."""
+    read it), and the engine's answer streamed back as it comes. ``path``: the engine path
+    to send it to (default the request's); ``drop_headers``: request headers (lower case)
+    not forwarded besides the hop-by-hop ones."""
+    dropped = HOP_BY_HOP.union(drop_headers)
     # The raw header bytes: a non-ASCII value (which httpx would refuse as str) goes through.
     headers = [(k, v) for k, v in request.headers.raw
-               if k.decode("latin-1").lower() not in HOP_BY_HOP]
+               if k.decode("latin-1").lower() not in dropped]
+    # The path the router matched (canonical after ``proxy.paths.canonical_paths``), never
+    # the raw bytes; one that is not canonical is refused, not normalised by httpx into
+    # another route (``/./v1/chat/completions``) or turned into a 500 (``//v1/...``).
+    target = request.scope["path"] if path is None else path
+    if not is_canonical(target):
+        raise PathRejected("not in canonical form (it is not forwarded)")
     upstream_request = http.build_request(
-        request.method, httpx.URL(path=request.url.path, query=request.url.query.encode()),
+        request.method, httpx.URL(path=target, query=request.url.query.encode()),
         headers=headers, content=_body(request) if content is None else content,
     )
-    with map_httpx_errors(f"{request.method} {request.url.path}"):
+    if not upstream_request.url.raw_path.partition(b"?")[0].endswith(target.encode()):
+        raise PathRejected("it would not reach the engine as it was routed")
+    with map_httpx_errors(f"{request.method} {target}"):
         response = await http.send(upstream_request, stream=True)
     return StreamingResponse(
         _raw(response), status_code=response.status_code,

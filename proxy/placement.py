@@ -6,6 +6,11 @@ its sequence overwritten). So each slot is leased to one request at a time; a re
 whose slot is busy, or that finds every slot busy, waits (the relay keeps sending
 heartbeats) up to ``--queue-timeout``, then gets a 503 with Retry-After.
 
+The queue is bounded (``QueueGate``): each waiting request holds its body for up to
+``--queue-timeout``. A request that would wait while its namespace already has
+``max_queued_per_namespace`` requests waiting on the lane, or the lane ``max_queued_per_lane``,
+gets a 429 with Retry-After at once (``QueueFullError``, its ``code`` naming the cap).
+
 Victims, when a slot must change hands: an empty slot first; then a slot holding a side
 history (a title request, a sub-agent, a one-off); then the main history whose loss costs
 least: its size discounted by how long it has been idle (a 30k-token session used a minute
@@ -16,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
-from core.errors import QueueTimeoutError
+from core.errors import ProxyError, QueueTimeoutError
 from proxy.sessions import Kind
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.
@@ -71,6 +76,72 @@ class Eviction:
 Evictor = Callable[[Eviction], Awaitable[None]]
 
 
+class QueueFullError(ProxyError):
+    """Too many requests already wait for a slot (of this namespace, or in all)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class QueueGate:
+    """Counts the requests of one lane waiting for a slot lease, per namespace; refuses one
+    that would have to wait beyond either cap."""
+
+    def __init__(self, *, max_queued: int, max_queued_per_namespace: int,
+                 retry_after_s: int = 2) -> None:
+        self.max_queued = max_queued
+        self.max_queued_per_namespace = max_queued_per_namespace
+        self.retry_after_s = retry_after_s
+        self.waiting = 0
+        self.by_namespace: dict[str, int] = {}
+
+    def admit(self, namespace: str, *, would_wait: bool) -> None:
+        if not would_wait:
+            return
+        if self.waiting >= self.max_queued:
+            raise QueueFullError(
+                f"{self.waiting} requests already wait for a slot on this engine "
+                "(max_queued_per_lane)", code="queue_full_lane", retry_after_s=self.retry_after_s)
+        if self.by_namespace.get(namespace, 0) >= self.max_queued_per_namespace:
+            raise QueueFullError(
+                f"{self.max_queued_per_namespace} requests of this namespace already wait for "
+                "a slot (max_queued_per_namespace)", code="queue_full_namespace",
+                retry_after_s=self.retry_after_s)
+
+    @contextmanager
+    def queued(self, namespace: str) -> Iterator[Callable[[], None]]:
+        """Count one request until the callable it yields is called (its lease granted)
+        or the block ends."""
+        self.waiting += 1
+        self.by_namespace[namespace] = self.by_namespace.get(namespace, 0) + 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self.waiting -= 1
+            left = self.by_namespace[namespace] - 1
+            if left:
+                self.by_namespace[namespace] = left
+            else:
+                del self.by_namespace[namespace]
+
+        try:
+            yield leave
+        finally:
+            leave()
+
+
 class SlotPool:
     def __init__(self, n_slots: int, *, on_evict: Evictor | None = None) -> None:
         self.entries = [SlotEntry(i) for i in range(n_slots)]
@@ -96,6 +167,10 @@ class SlotPool:
     def resize(self, n_slots: int) -> None:
         """The engine came back with another slot count (only called between requests)."""
         self.entries = [SlotEntry(i) for i in range(n_slots)]
+
+    def would_wait(self, want: Want) -> bool:
+        """No slot for ``want`` is free now (as this pool's copy sees it)."""
+        return self._choose(want) is None
 
     def known(self, slot: int) -> bool:
         return slot in self._known

@@ -15,6 +15,7 @@ lane that answers (``proxy.passthrough``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -35,9 +36,17 @@ from proxy.engines import (
     open_embedded_adapter,
     open_url_adapter,
     redetect,
+    watch_shared_cache,
 )
 from proxy.identity import namespace_of
 from proxy.inflight import InFlight
+from proxy.isolation import (
+    CacheOwners,
+    MemoryOwners,
+    NamespaceNotServedError,
+    RedisOwners,
+    refusal,
+)
 from proxy.lane import Lane, SharedState
 from proxy.logs import log_event
 from proxy.metrics import Metrics
@@ -47,13 +56,18 @@ from proxy.service import Backend, Incoming, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
-from proxy.validation import ClientRequest, read_body
+from proxy.validation import (
+    ENGINE_CONTROLS,
+    ClientRequest,
+    read_body,
+    without_engine_controls,
+)
 from proxy.watch import EngineWatch, probe_until_ready
 
 
 class Router:
     def __init__(self, ctx: LaneContext, lanes: list[Lane], placer: Placer,
-                 inflight: InFlight) -> None:
+                 inflight: InFlight, owners: CacheOwners | None = None) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.metrics = ctx.metrics
@@ -67,6 +81,7 @@ class Router:
             ctx.shared.cluster.errors if ctx.shared is not None else ())
         self.first_probe = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.owners: CacheOwners = owners or MemoryOwners()
 
     # -- the request path -------------------------------------------------------------
 
@@ -76,9 +91,11 @@ class Router:
         try:
             lanes = [lane for lane in self.lanes
                      if codec.api in kind_of(lane.service.backend.adapter).serves]
-            if not lanes:  # no engine here serves this API: to the engine as it came
+            if not lanes:  # no engine here serves this API: to the engine as it came,
+                # minus the slot and cache controls that are the proxy's alone
                 adapter = self.lane_for_passthrough().service.backend.adapter
-                return await forward(request, adapter.http)
+                return await forward(request, adapter.http,
+                                     content=await self._without_controls(request))
             raw, client = await self._parse(request, codec)
             if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
@@ -87,6 +104,19 @@ class Router:
             return await self._serve(request, client, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)
+
+    async def _without_controls(self, request: Request) -> bytes:
+        """A body forwarded past the pipeline: read (within --max-body), and when it is a
+        JSON object holding ``ENGINE_CONTROLS``, encoded again without them."""
+        raw = await read_body(request.stream(), request.headers.get("content-length"),
+                              self.settings.max_body_bytes)
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            return raw  # not JSON: the engine refuses it, and it carries no slot
+        if not isinstance(body, dict) or not any(key in body for key in ENGINE_CONTROLS):
+            return raw
+        return json.dumps(without_engine_controls(body)).encode()
 
     async def _parse(self, request: Request, codec: Codec) -> tuple[bytes, ClientRequest]:
         """The body read and parsed once, for the whole request path."""
@@ -102,13 +132,68 @@ class Router:
     async def _serve(self, request: Request, client: ClientRequest,
                      lanes: list[Lane]) -> Response:
         namespace = namespace_of(request.headers)
-        placement, moved = None, False
-        lane = lanes[0]
-        if len(lanes) > 1:
-            choice = await self._place(namespace, client, request.headers, lanes)
-            lane, placement, moved = choice.lane, choice.reason, choice.moved
+        try:
+            lanes = await self._lanes_for(namespace, client, lanes)
+            while True:
+                placement, moved = None, False
+                lane = lanes[0]
+                if len(lanes) > 1:
+                    choice = await self._place(namespace, client, request.headers, lanes)
+                    lane, placement, moved = choice.lane, choice.reason, choice.moved
+                if await self._claimed(lane, namespace):
+                    break
+                # another replica's namespace took this shared-cache lane meanwhile
+                lanes = [ln for ln in lanes if ln is not lane]
+                if not lanes:
+                    raise refusal(namespace, [(lane.label, lane.shared_cache or "")])
+        except self.errors as exc:
+            self.metrics.requests.labels(client.endpoint, "upstream_error").inc()
+            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
+        except ProxyError:
+            self.metrics.requests.labels(client.endpoint, "client_error").inc()
+            raise
         incoming = Incoming(client, request.headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)
+
+    def _gated(self, lane: Lane) -> bool:
+        """Whether ``lane`` serves one namespace only (its cache crosses slots)."""
+        return (lane.shared_cache is not None and not lane.namespaces
+                and not self.settings.allow_shared_cache)
+
+    async def _lanes_for(self, namespace: str, client: ClientRequest,
+                         lanes: list[Lane]) -> list[Lane]:
+        """The lanes ``namespace`` may be placed on (``proxy.isolation``): not dedicated
+        to other namespaces, and no shared prompt cache another namespace owns."""
+        mine = [ln for ln in lanes if not ln.namespaces or namespace in ln.namespaces]
+        if not mine:
+            raise NamespaceNotServedError(
+                f"namespace {namespace} is not served here: every backend for this API is "
+                "dedicated to other namespaces (namespace= in the --upstreams-file)")
+        allowed: list[Lane] = []
+        refused: list[tuple[str, str]] = []
+        for lane in mine:
+            owner = await self.owners.owner(lane.label) if self._gated(lane) else None
+            if owner in (None, namespace):
+                allowed.append(lane)
+            else:
+                refused.append((lane.label, lane.shared_cache or ""))
+        if not allowed:
+            log_event(self.log, logging.WARNING, "namespace refused", namespace=namespace,
+                      endpoint=client.endpoint, reason="shared prompt cache",
+                      upstreams=[label for label, _ in refused])
+            raise refusal(namespace, refused)
+        return allowed
+
+    async def _claimed(self, lane: Lane, namespace: str) -> bool:
+        """The first namespace seen on a shared-cache lane owns it; False: another does."""
+        if not self._gated(lane):
+            return True
+        before = self.owners.known(lane.label)
+        owner = await self.owners.claim(lane.label, namespace)
+        if before is None and owner == namespace:
+            log_event(self.log, logging.INFO, "shared prompt cache owned", upstream=lane.label,
+                      namespace=namespace, reason=lane.shared_cache)
+        return owner == namespace
 
     async def _place(self, namespace: str, client: ClientRequest,
                      headers: Mapping[str, str], lanes: list[Lane]) -> Choice:
@@ -143,7 +228,15 @@ class Router:
         else:
             entry.update(status="ok", model=found.model, slots=found.n_slots,
                          n_ctx_slot=found.n_ctx_slot, build=found.build)
+        entry.update(self._isolation_view(lane))
         return entry
+
+    def _isolation_view(self, lane: Lane) -> dict[str, Any]:
+        """Whether the lane's prompt cache crosses slots (the reason), which namespace owns
+        it, and the namespaces a dedicated backend serves."""
+        return {"shared_cache": lane.shared_cache,
+                "cache_owner": self.owners.known(lane.label) if self._gated(lane) else None,
+                "namespaces": sorted(lane.namespaces) or None}
 
     def sessions_view(self) -> dict[str, Any]:
         backends = []
@@ -156,6 +249,7 @@ class Router:
                            "tokens": e.tokens, "busy": e.busy} for e in pool.entries]
                 if pool else [],
                 "parking": lane.parking.parked_view() if lane.parking is not None else None,
+                **self._isolation_view(lane),
             })
         return {"affinity": any(lane.service.pool is not None for lane in self.lanes),
                 "placement": self.settings.placement if len(self.lanes) > 1 else None,
@@ -196,6 +290,7 @@ class Router:
 
         info = await probe_until_ready(backend, self.metrics, settings.probe_timeout_s,
                                        logger, not_ready)
+        await watch_shared_cache(lane, info, logger)
         try:
             if settings.affinity:
                 await kind_of(backend.adapter).sessions_on(self.ctx, lane, info)
@@ -240,14 +335,16 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
 
         cluster = Cluster(settings.redis, settings.redis_prefix, settings.replica_id, logger)
         await cluster.start()
-        store = SessionStore(new_id=new_session_id)
+        store = SessionStore.from_settings(settings, new_id=new_session_id)
         shared = SharedState(cluster, SharedSessions(cluster, store, logger))
         homes = RedisHomes(cluster, settings.live_session_s)
+        owners: CacheOwners = RedisOwners(cluster)
         inflight: InFlight = ClusterInFlight(cluster, logger, grace_s=settings.retry_grace_s)
         await inflight.start()  # type: ignore[attr-defined]
     else:
-        store = SessionStore()
+        store = SessionStore.from_settings(settings)
         homes = MemoryHomes(settings.live_session_s)
+        owners = MemoryOwners()
         inflight = InFlight()
     ctx = LaneContext(settings, store, metrics, logger, shared)
     adapters = await _open_adapters(settings, logger, transports or {}, transport,
@@ -257,7 +354,12 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
         for _, _, adapter in adapters:
             await adapter.aclose()
         raise ValueError("two upstreams with the same host:port")
-    router = Router(ctx, lanes, Placer(settings, homes), inflight)
+    stray = set(settings.upstream_namespaces) - {url for _, url, _ in adapters}
+    if stray:
+        for _, _, adapter in adapters:
+            await adapter.aclose()
+        raise ValueError(f"namespaces given for backends that are not upstreams: {sorted(stray)}")
+    router = Router(ctx, lanes, Placer(settings, homes), inflight, owners)
     router.start()
     return router
 
@@ -297,5 +399,10 @@ def _lane(ctx: LaneContext, label: str, url: str | None, adapter: Adapter,
         service.ledger.forget(label)  # a restarted engine's slots hold nothing
 
     watch.on_restart.append(forget_prompts)
-    return Lane(label, url, service, watch)
+    lane = Lane(label, url, service, watch)
+    if url is None:  # the embedded engine keeps no prompt cache across slots
+        lane.shared_cache = None
+    else:
+        lane.namespaces = frozenset(settings.upstream_namespaces.get(url, ()))
+    return lane
 

@@ -1,20 +1,30 @@
-"""Run the app under uvicorn with the settings' host and port."""
+"""Run both listeners under uvicorn in one event loop: the tenants' (``--host``/``--port``)
+and the operator's (``--admin-listen``), one lifespan (the tenant app's) owning the state."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
+import signal
 import sys
+import threading
+from collections.abc import Generator
+from types import FrameType
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.logs import configure
 from proxy.settings import Settings
 
 
 def serve(settings: Settings) -> int:
+    if (problem := settings.admin_problem()) is not None:
+        print(f"prefixpin: {problem}", file=sys.stderr)
+        return 2
     configure(settings.log_level)
     if settings.embedded():
         try:
@@ -26,18 +36,76 @@ def serve(settings: Settings) -> int:
         print("prefixpin: --redis needs the `redis` package: pip install 'prefixpin[replicas]'",
               file=sys.stderr)
         return 1
-    app = create_app(settings)
+    apps = create_apps(settings)
+    admin_host, admin_port = settings.admin_address()
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=5, **http_options())
-    server = uvicorn.Server(config)
-    # uvicorn shuts down gracefully on Ctrl-C, then re-raises the signal it caught: after a
-    # clean shutdown that is a normal exit, not a traceback on the user's terminal.
+    operator = _Follower(uvicorn.Config(
+        apps.operator_listener, host=admin_host, port=admin_port, log_level=settings.log_level,
+        access_log=False, timeout_graceful_shutdown=5, lifespan="off", **http_options()))
+    tenant = _Leader(operator, uvicorn.Config(
+        apps.tenant_listener, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=False, timeout_graceful_shutdown=5, lifespan="on", **http_options()))
+    # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
+    # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
+    # traceback on the user's terminal.
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
-    return 0 if server.started else 1
+        asyncio.run(_serve_both(tenant, operator))
+        for caught in reversed(tenant.caught):
+            signal.raise_signal(caught)
+    return 0 if tenant.started and operator.started else 1
+
+
+class _Follower(uvicorn.Server):
+    """The operator listener: the tenant server owns the signals, and stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class _Leader(uvicorn.Server):
+    """The tenant listener: it owns the signals (and the lifespan), and a Ctrl-C stops the
+    operator listener with it (a second one forces both)."""
+
+    def __init__(self, follower: uvicorn.Server, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.follower = follower
+        self.caught: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's, except that the signals caught are raised again by ``serve`` once
+        both listeners are down, not as soon as this one is."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.caught.append(sig)
+        super().handle_exit(sig, frame)
+        self.follower.should_exit = self.should_exit
+        self.follower.force_exit = self.force_exit
+
+
+async def _serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
+    """Both servers until either stops (a signal, a port that cannot be bound, a lifespan
+    that fails): then the other stops too."""
+    async def run(server: uvicorn.Server, other: uvicorn.Server) -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn's way to fail a start (it has logged why)
+            pass
+        finally:
+            other.should_exit = True
+
+    await asyncio.gather(run(tenant, operator), run(operator, tenant))
 
 
 def _with_embedded_model(settings: Settings) -> Settings:

@@ -34,13 +34,15 @@ from core.figures import Figures, figures_from
 from fingerprint import Chain
 from proxy.codecs import codec_of
 from proxy.generation import Generation
-from proxy.inflight import InFlight, inflight_key
+from proxy.identity import explicit_identity
+from proxy.inflight import InFlight, JoinIntent, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
-from proxy.placement import Lease, SlotPool, Want
+from proxy.placement import Lease, QueueFullError, QueueGate, SlotPool, Want
 from proxy.relay import respond
 from proxy.repair import Applied
 from proxy.settings import Settings
+from proxy.tokens import scope as token_scope
 from proxy.validation import ClientRequest
 
 # A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
@@ -176,6 +178,11 @@ class ProxyService:
         # Shared by every lane (and, with --redis, every replica): a retry joins the
         # generation already running wherever it runs.
         self.inflight = inflight if inflight is not None else InFlight()
+        # Requests waiting for a slot on this lane, bounded per namespace and in all.
+        self.queue_gate = QueueGate(
+            max_queued=settings.max_queued_per_lane,
+            max_queued_per_namespace=settings.max_queued_per_namespace,
+            retry_after_s=max(1, int(settings.queue_timeout_s / 10)))
         self._background: set[asyncio.Task[None]] = set()
         # Called when a generation loses its engine connection (the engine watch probes at
         # once: a killed engine's sessions are marked unverified within a probe).
@@ -187,14 +194,14 @@ class ProxyService:
         arrival = time.monotonic()
         client = incoming.client
         try:
-            # Another wire format is another answer: never joined across codecs.
-            key = inflight_key(incoming.namespace, codec_of(client).name, client.body)
-            claimed = await self.inflight.claim(key)
+            key = request_key(incoming)
+            claimed = await self.inflight.claim(key, JoinIntent.of(incoming.headers))
             if isinstance(claimed, Generation):
                 return await self._join(request, client, claimed, arrival)
             reservation = claimed
             try:
-                plan = await self.planner.plan(incoming, self.backend)
+                with token_scope(incoming.namespace):  # token counts cached per tenant
+                    plan = await self.planner.plan(incoming, self.backend)
             except BaseException:
                 self.inflight.release(key, reservation)
                 raise
@@ -202,7 +209,7 @@ class ProxyService:
             self.metrics.requests.labels(client.endpoint, _outcome(exc)).inc()
             raise
         plan.headers = {**_forwarded_headers(incoming.headers), **plan.headers}
-        generation = self._start(plan, client, arrival)
+        generation = self._start(plan, client, arrival, incoming.namespace)
         self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
         return await respond(
@@ -232,13 +239,14 @@ class ProxyService:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
-    def _start(self, plan: Plan, client: ClientRequest, arrival: float) -> Generation:
+    def _start(self, plan: Plan, client: ClientRequest, arrival: float,
+               namespace: str) -> Generation:
         def finished(generation: Generation) -> None:
             self.generations.discard(generation)
             self.metrics.inflight.set(len(self.generations))
 
         generation = Generation(
-            lambda g: self._open(plan, g), grace_s=self.settings.retry_grace_s,
+            lambda g: self._open(plan, g, namespace), grace_s=self.settings.retry_grace_s,
             on_settled=lambda g: self._record(plan, client, g, arrival))
         generation.on_done(finished)
         self.generations.add(generation)
@@ -247,9 +255,11 @@ class ProxyService:
         return generation
 
     @asynccontextmanager
-    async def _open(self, plan: Plan, generation: Generation) -> AsyncIterator[UpstreamStream]:
-        """Take the plan's slot lease (waiting, with heartbeats, while it is busy), then open
-        the engine request; the lease is held until the engine's answer is fully read."""
+    async def _open(self, plan: Plan, generation: Generation,
+                    namespace: str) -> AsyncIterator[UpstreamStream]:
+        """Take the plan's slot lease (waiting, with heartbeats, while it is busy: a 429 if
+        too many wait already), then open the engine request; the lease is held until the
+        engine's answer is fully read."""
         adapter = self.backend.adapter
         if plan.want is None or self.pool is None:
             call = adapter.prepare(plan.path, plan.body, slot=None)
@@ -261,15 +271,27 @@ class ProxyService:
         def on_wait(text: str) -> None:
             generation.waiting = text
 
-        async with self.pool.lease(plan.want, timeout_s=self.settings.queue_timeout_s,
-                                   on_wait=on_wait) as lease:
-            generation.waiting = None
-            self.metrics.queue_wait.observe(time.monotonic() - waited)
-            plan.slot = lease.slot
-            await self.planner.on_lease(plan, lease)
-            call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
-            async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
-                yield upstream
+        gate = self.queue_gate
+        gate.admit(namespace, would_wait=self.pool.would_wait(plan.want))
+        with gate.queued(namespace) as leased:
+            async with self.pool.lease(plan.want, timeout_s=self.settings.queue_timeout_s,
+                                       on_wait=on_wait) as lease:
+                leased()
+                async with self._opened(plan, generation, lease, waited) as upstream:
+                    yield upstream
+
+    @asynccontextmanager
+    async def _opened(self, plan: Plan, generation: Generation, lease: Lease,
+                      waited: float) -> AsyncIterator[UpstreamStream]:
+        """The lease is granted: restore what the planner restores, open the request."""
+        adapter = self.backend.adapter
+        generation.waiting = None
+        self.metrics.queue_wait.observe(time.monotonic() - waited)
+        plan.slot = lease.slot
+        await self.planner.on_lease(plan, lease)
+        call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
+        async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
+            yield upstream
 
     def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
                 arrival: float) -> None:
@@ -362,6 +384,17 @@ class ProxyService:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
 
 
+def request_key(incoming: Incoming) -> bytes:
+    """The in-flight key: another wire format or path is another answer (``/completions``
+    and ``/v1/completions`` share a codec but not a format), another session another
+    history to record; neither is ever joined."""
+    client = incoming.client
+    identity = explicit_identity(client.body, incoming.headers)
+    session = None if identity is None else f"{identity.key}\0{identity.parent or ''}"
+    return inflight_key(incoming.namespace, codec_of(client).name, client.path, session,
+                        client.body)
+
+
 def _estimated_cached(plan: Plan, figures: Figures) -> int | None:
     """The planner's estimate of the cached tokens, when the engine reported none."""
     estimate = plan.cached_estimate
@@ -385,6 +418,8 @@ def _outcome(exc: ProxyError) -> str:
         return "client_error"
     if isinstance(exc, QueueTimeoutError):
         return "queue_timeout"
+    if isinstance(exc, QueueFullError):
+        return "queue_full"
     return "upstream_error"
 
 

@@ -81,17 +81,41 @@ class Session:
 
 
 class SessionStore:
-    """Bounded: the least recently used session goes first once ``max_sessions`` is reached,
-    and sessions idle for ``ttl_s`` are dropped."""
+    """Bounded, per namespace first: a tenant cycling session keys evicts its own.
+
+    - at most ``max_per_namespace`` sessions in one namespace: its least recently used
+      goes first;
+    - at most ``max_committed_bytes`` of committed history in one namespace: its least
+      recently used others go first (a single history over the budget keeps its session
+      but not its history);
+    - at most ``max_sessions`` in all: the least recently used session of the namespace
+      holding the most (the one furthest over its share) goes, never another's first;
+    - sessions idle for ``ttl_s`` are dropped.
+    """
 
     def __init__(self, max_sessions: int = 4096, ttl_s: float = 24 * 3600, *,
+                 max_per_namespace: int | None = None,
+                 max_committed_bytes: int | None = None,
                  new_id: Callable[[], str] | None = None) -> None:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._by_ns: dict[str, OrderedDict[str, Session]] = {}
+        self._bytes: dict[str, int] = {}  # committed bytes per namespace
+        self._sizes: dict[str, int] = {}  # per session, the committed bytes counted
         self._max = max_sessions
+        self._max_ns = max_per_namespace or max_sessions
+        self._max_bytes = max_committed_bytes
         self._ttl_s = ttl_s
         counter = itertools.count(1)
         # Several replicas sharing a session table need ids unique across them (random).
         self._new_id = new_id or (lambda: f"s{next(counter)}")
+
+    @classmethod
+    def from_settings(cls, settings: Any, *,
+                      new_id: Callable[[], str] | None = None) -> SessionStore:
+        """The bounds from ``proxy.settings.Settings``."""
+        return cls(settings.max_sessions, max_per_namespace=settings.max_sessions_per_namespace,
+                   max_committed_bytes=settings.max_committed_bytes_per_namespace,
+                   new_id=new_id)
 
     def create(self, namespace: str, key: str | None, kind: Kind,
                parent: str | None = None) -> Session:
@@ -100,19 +124,37 @@ class SessionStore:
     def put(self, session: Session) -> Session:
         """Add or replace a session (one read from the shared table)."""
         self._expire()
+        previous = self._sessions.get(session.id)
+        if previous is not None and previous is not session:
+            self._drop(previous)
         self._sessions[session.id] = session
         self._sessions.move_to_end(session.id)
+        own = self._by_ns.setdefault(session.namespace, OrderedDict())
+        own[session.id] = session
+        own.move_to_end(session.id)
+        self._account(session)
+        while len(own) > self._max_ns:
+            self._drop(next(iter(own.values())))
         while len(self._sessions) > self._max:
-            self._sessions.popitem(last=False)
+            self._drop(self._victim())
         return session
+
+    def committed_bytes(self, namespace: str) -> int:
+        return self._bytes.get(namespace, 0)
+
+    def count(self, namespace: str) -> int:
+        return len(self._by_ns.get(namespace, ()))
 
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
     def touch(self, session: Session) -> None:
+        """A session was used (and may hold a new committed history: it is counted)."""
         session.last_used = time.time()
-        if session.id in self._sessions:
+        if self._sessions.get(session.id) is session:
             self._sessions.move_to_end(session.id)
+            self._by_ns[session.namespace].move_to_end(session.id)
+            self._account(session)
 
     def with_key(self, namespace: str, key: str) -> list[Session]:
         """Every history under one explicit key, most recently used first."""
@@ -149,4 +191,47 @@ class SessionStore:
             oldest = next(iter(self._sessions.values()))
             if oldest.last_used >= cutoff:
                 break
-            self._sessions.popitem(last=False)
+            self._drop(oldest)
+
+    def _victim(self) -> Session:
+        """The store is full: the oldest session of the namespace holding the most."""
+        most = max(len(own) for own in self._by_ns.values())
+        oldest = [next(iter(own.values())) for own in self._by_ns.values() if len(own) == most]
+        return min(oldest, key=lambda s: s.last_used)
+
+    def _account(self, session: Session) -> None:
+        """Count the session's committed bytes; over the namespace's budget, its least
+        recently used others go, then, alone over it, its own history."""
+        size = session.committed.size if session.committed is not None else 0
+        namespace = session.namespace
+        self._bytes[namespace] = self._bytes.get(namespace, 0) + size - self._sizes.get(
+            session.id, 0)
+        self._sizes[session.id] = size
+        if self._max_bytes is None:
+            return
+        own = self._by_ns[namespace]
+        while self._bytes[namespace] > self._max_bytes:
+            oldest = next(s for s in own.values())
+            if oldest is session:
+                others = [s for s in own.values() if s is not session]
+                if not others:
+                    session.committed = None  # alone over the budget: not kept
+                    self._bytes[namespace] -= self._sizes.pop(session.id, 0)
+                    self._sizes[session.id] = 0
+                    return
+                oldest = others[0]
+            self._drop(oldest)
+
+    def _drop(self, session: Session) -> None:
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+        own = self._by_ns.get(session.namespace)
+        if own is not None and own.get(session.id) is session:
+            del own[session.id]
+            if not own:
+                del self._by_ns[session.namespace]
+        size = self._sizes.pop(session.id, 0)
+        if session.namespace in self._bytes:
+            self._bytes[session.namespace] -= size
+            if session.namespace not in self._by_ns:
+                del self._bytes[session.namespace]

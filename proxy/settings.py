@@ -6,11 +6,12 @@ it to ``create_app``; tests build one directly.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
 import httpx
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
@@ -27,6 +28,12 @@ class Settings(BaseSettings):
     engine: EngineName = Field("auto", description="Force the engine type instead of probing")
     host: str = "127.0.0.1"
     port: int = Field(8088, ge=1, le=65535)
+    # The operator listener (status page, /sessions, /metrics, every engine path): off the
+    # tenants' port. Default: loopback, the next port.
+    admin_listen: str | None = Field(None, description="HOST:PORT of the operator listener "
+                                     "(default 127.0.0.1:<port + 1>)")
+    admin_token: SecretStr | None = Field(None, description="Bearer token every operator "
+                                          "request must carry; required beyond loopback")
 
     # Relay behaviour.
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
@@ -35,6 +42,19 @@ class Settings(BaseSettings):
     max_messages: int = Field(100_000, ge=1)
     retry_grace_s: float = Field(30.0, ge=0, description="Keep a generation whose clients left")
     queue_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a free slot")
+
+    # Per-tenant bounds (issue 16): one namespace never crowds out the others.
+    max_sessions: int = Field(4096, ge=1, description="Sessions kept in all")
+    max_sessions_per_namespace: int = Field(1024, ge=1, description="Sessions kept per "
+                                            "namespace (its least recently used go first)")
+    max_committed_bytes_per_namespace: int = Field(
+        256 * 1024**2, ge=1024, description="Committed history bytes kept per namespace")
+    max_queued_per_namespace: int = Field(32, ge=1, description="Requests of one namespace "
+                                          "waiting for a slot on one lane (then 429)")
+    max_queued_per_lane: int = Field(256, ge=1, description="Requests waiting for a slot "
+                                     "on one lane, all namespaces (then 429)")
+    max_shared_sessions_per_namespace: int = Field(
+        4096, ge=1, description="Session records per namespace in Redis (--redis)")
 
     # Upstream timeouts: connect is short; read bounds every silence of the engine (a
     # queued request gets no bytes until a slot frees, so it must allow a long wait).
@@ -88,6 +108,13 @@ class Settings(BaseSettings):
                                       "a backend takes no new session while another has room")
     live_session_s: float = Field(600.0, gt=0, description="A session idle this long no "
                                   "longer counts towards its backend's occupancy")
+    upstream_namespaces: dict[str, list[str]] = Field(
+        default_factory=dict, description="Dedicated backends: engine base URL -> the only "
+        "namespaces (as /sessions shows them) placed there (--upstreams-file namespace=)")
+    allow_shared_cache: bool = Field(False, description="Let several namespaces share an "
+                                     "engine whose prompt cache crosses slots (llama-server "
+                                     "with --cache-ram > 0, Ollama): tenants may then learn "
+                                     "each other's cached prefixes")
     redis: str | None = Field(None, description="Redis URL: state shared by several replicas")
     redis_prefix: str = Field("prefixpin", min_length=1, description="Redis key prefix")
     replica_id: str | None = Field(None, description="This replica's name (default: random)")
@@ -96,6 +123,38 @@ class Settings(BaseSettings):
     tokenizer: Path | None = Field(None, description="tokenizer.json or GGUF overriding /props")
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("admin_listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_address(value)
+        return value
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _no_empty_token(cls, value: object) -> object:
+        """An empty token (``PREFIXPIN_ADMIN_TOKEN=``) is no token: it protects nothing."""
+        return None if value == "" else value
+
+    def admin_address(self) -> tuple[str, int]:
+        """Where the operator listener binds: ``admin_listen``, else loopback, ``port + 1``."""
+        if self.admin_listen is None:
+            return "127.0.0.1", self.port + 1 if self.port < 65535 else self.port - 1
+        return split_address(self.admin_listen)
+
+    def admin_display(self) -> str:
+        """The operator listener as an operator would type it (IPv6 in brackets)."""
+        host, port = self.admin_address()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def admin_problem(self) -> str | None:
+        """Why the operator listener must not start: bound beyond loopback without a token."""
+        host, _ = self.admin_address()
+        if self.admin_token is None and not is_loopback(host):
+            return (f"--admin-listen {self.admin_display()} is reachable beyond loopback: "
+                    "set --admin-token (env PREFIXPIN_ADMIN_TOKEN) to protect it")
+        return None
 
     def repair_switches(self) -> dict[str, bool]:
         return {"reasoning": self.repair_reasoning, "tool_calls": self.repair_tool_calls,
@@ -129,3 +188,21 @@ class Settings(BaseSettings):
             connect=self.connect_timeout_s, read=self.read_timeout_s,
             write=self.read_timeout_s, pool=self.connect_timeout_s,
         )
+
+
+def split_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a host and a port."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere

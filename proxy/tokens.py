@@ -1,14 +1,20 @@
 """Token counts for budgets: the model's tokenizer when the proxy has it, else an estimate.
 
-Counts are cached per message text (blake3 key, bounded), so a long conversation costs
-only its new messages. The estimate (3 characters a token) errs on the high side for
-English and code, so a budget it enforces is not exceeded.
+Counts are cached per namespace and message text (blake3 key, bounded), so a long
+conversation costs only its new messages. The namespace is part of the key: a tenant must
+not learn, from how fast its request is counted, that another tenant sent the same text.
+It is the request's (``scope``: set by the request path before planning, so the planner's
+callers need not pass it), or the anonymous namespace outside a request. The estimate
+(3 characters a token) errs on the high side for English and code, so a budget it
+enforces is not exceeded.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import blake3
@@ -17,6 +23,19 @@ from fingerprint import Encoder
 from proxy.history import canonical
 
 PER_MESSAGE_OVERHEAD = 6  # role header and end-of-turn markers of a chat template
+
+_NAMESPACE: ContextVar[str] = ContextVar("prefixpin_token_namespace", default="anon")
+
+
+@contextmanager
+def scope(namespace: str) -> Iterator[None]:
+    """Counts made inside (in this task, and threads it starts with its context) are
+    cached under ``namespace``."""
+    token = _NAMESPACE.set(namespace)
+    try:
+        yield
+    finally:
+        _NAMESPACE.reset(token)
 
 
 class TokenCounter:
@@ -29,13 +48,18 @@ class TokenCounter:
     def exact(self) -> bool:
         return self._encoder is not None
 
-    def count_messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        return sum(self.count_text(_message_text(m)) + PER_MESSAGE_OVERHEAD for m in messages)
+    def count_messages(self, messages: Sequence[Mapping[str, Any]],
+                       namespace: str | None = None) -> int:
+        return sum(self.count_text(_message_text(m), namespace) + PER_MESSAGE_OVERHEAD
+                   for m in messages)
 
-    def count_text(self, text: str) -> int:
+    def count_text(self, text: str, namespace: str | None = None) -> int:
+        """``namespace``: whose cache; by default the current request's (``scope``)."""
         if self._encoder is None:
             return (len(text) + 2) // 3
-        key = blake3.blake3(text.encode("utf-8", "replace")).digest()
+        hasher = blake3.blake3((namespace or _NAMESPACE.get()).encode() + b"\0")
+        hasher.update(text.encode("utf-8", "replace"))
+        key = hasher.digest()
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)

@@ -142,13 +142,27 @@ def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
     return ClientRequest(endpoint, path, body, stream is not False, False, False, "ollama")
 
 
+# llama-server's slot and cache controls are the proxy's alone: a tenant that chose the slot
+# (``id_slot``), the number of completions sharing its prompt (``n_cmpl``) or whether a
+# slot's cache is reused (``cache_prompt``) could read or overwrite another tenant's prefix.
+ENGINE_CONTROLS = ("id_slot", "n_cmpl", "cache_prompt")
+
+
+def without_engine_controls(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body minus ``ENGINE_CONTROLS``, the one place they are dropped: every
+    body of the pipeline is parsed here before anything plans or forwards it."""
+    for key in ENGINE_CONTROLS:
+        body.pop(key, None)
+    return body
+
+
 def _parse_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequestError("request body is empty; expected a JSON object")
     value = _parse_fast(raw)
     if isinstance(value, dict):
-        return value
-    return _parse_strict(raw)
+        return without_engine_controls(value)
+    return without_engine_controls(_parse_strict(raw))
 
 
 def _parse_fast(raw: bytes) -> Any:

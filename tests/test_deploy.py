@@ -75,6 +75,20 @@ def listen_port(compose: dict[str, Any], service: str) -> int:
     return DEFAULT_PORTS[service]
 
 
+def prefixpin_settings(compose: dict[str, Any]) -> Settings:
+    """The listeners of prefixpin's command line (its flags, without its environment)."""
+    command = [str(c) for c in compose["services"]["prefixpin"]["command"]]
+    listen = flag_value(command, "--admin-listen")
+    return Settings(port=listen_port(compose, "prefixpin"), admin_listen=listen)
+
+
+def listen_ports(compose: dict[str, Any], service: str) -> set[int]:
+    """Every port the service listens on: prefixpin's tenant port and operator listener."""
+    if service == "prefixpin":
+        return {listen_port(compose, service), prefixpin_settings(compose).admin_address()[1]}
+    return {listen_port(compose, service)}
+
+
 def mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     """(source, target) of each short-syntax volume entry."""
     pairs = [str(entry).split(":") for entry in service.get("volumes", [])]
@@ -85,8 +99,8 @@ def assert_points_at_service(compose: dict[str, Any], url: str, where: str) -> N
     parts = urlsplit(url if "//" in url else f"http://{url}")
     host = parts.hostname or ""
     assert host in compose["services"], f"{where}: no service {host!r}"
-    port = listen_port(compose, host)
-    assert parts.port == port, f"{where}: {host} listens on {port}, not {parts.port}"
+    ports = listen_ports(compose, host)
+    assert parts.port in ports, f"{where}: {host} listens on {ports}, not {parts.port}"
 
 
 def test_compose_matches_the_compose_spec_schema() -> None:
@@ -137,7 +151,7 @@ def test_every_service_has_a_health_check_and_restarts(compose: dict[str, Any]) 
             assert dependency in compose["services"], f"{name} depends on {dependency}"
         for published in service.get("ports", []):
             container_port = int(str(published).rsplit(":", 1)[1])
-            assert container_port == listen_port(compose, name), f"{name} publishes {published}"
+            assert container_port in listen_ports(compose, name), f"{name} publishes {published}"
 
 
 def test_llama_server_has_the_flags_prefixpin_needs(compose: dict[str, Any]) -> None:
@@ -182,6 +196,39 @@ def test_prometheus_scrapes_services_that_exist(compose: dict[str, Any]) -> None
                 assert_points_at_service(compose, target, f"scrape job {job['job_name']}")
                 scraped.add(target.split(":")[0])
     assert scraped == {"prefixpin", "llama"}
+
+
+def test_prometheus_scrapes_prefixpin_on_its_operator_listener_with_its_token(
+        compose: dict[str, Any]) -> None:
+    """/metrics is not served on the tenant port (issue 16): the scrape goes to
+    --admin-listen, which listens beyond loopback and so needs --admin-token, given to
+    prefixpin and to Prometheus from the same secret."""
+    prometheus = compose["services"]["prometheus"]
+    config = load_yaml(DEPLOY / {t: s for s, t in mounts(prometheus)}[
+        "/etc/prometheus/prometheus.yml"])
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "prefixpin")
+    settings = prefixpin_settings(compose)
+    (target,) = job["static_configs"][0]["targets"]
+    assert int(target.rsplit(":", 1)[1]) == settings.admin_address()[1]
+    assert int(target.rsplit(":", 1)[1]) != settings.port
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    # Beyond loopback: prefixpin refuses to start without a token ...
+    assert settings.admin_problem() is not None
+    raw = raw_compose()
+    environment = raw["services"]["prefixpin"]["environment"]
+    assert "${PREFIXPIN_ADMIN_TOKEN" in environment["PREFIXPIN_ADMIN_TOKEN"]
+    assert settings.model_copy(update={"admin_token": "t"}).admin_problem() is None
+    # ... which Prometheus reads from the secret of the same variable.
+    auth = job["authorization"]
+    assert auth.get("type", "Bearer") == "Bearer"
+    secret = auth["credentials_file"].removeprefix("/run/secrets/")
+    assert secret in prometheus["secrets"]
+    assert raw["secrets"][secret] == {"environment": "PREFIXPIN_ADMIN_TOKEN"}
+    # The operator listener is published to the host's loopback only.
+    published = [str(p) for p in raw["services"]["prefixpin"]["ports"]]
+    admin = [p for p in published if p.endswith(f":{settings.admin_address()[1]}")]
+    assert admin, published
+    assert all(p.startswith("127.0.0.1:") for p in admin)
 
 
 def test_grafana_is_provisioned_with_the_datasource_and_dashboard(

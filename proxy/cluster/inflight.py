@@ -6,7 +6,10 @@ generation already running (or waits for it to be planned) instead of prefilling
                        unless its owner renews it (a dead replica's claim goes away)
     gen:<key>:<nonce>  a Redis stream: "started" (or "abandoned"), the head (status), every
                        frame, then "end" (completed, or the error): replayed from the start
-    join:<replica>     pub/sub channel: "publish this generation's frames, someone joins"
+    join:<replica>     pub/sub channel: "publish this generation's frames, someone joins",
+                       with the joiner's retry intent (``proxy.inflight.JoinIntent``)
+    joinreply:<nonce>  the origin's answer to one join: ok, refused (the request is no
+                       retry of that generation: it runs its own) or abandoned
     watch:<key>        set by joining replicas while their clients read: the running
                        generation stays alive for them as for a local client
 
@@ -44,7 +47,7 @@ from core.errors import (
 )
 from proxy.cluster.core import REPLICA_TTL_S, Cluster
 from proxy.generation import Generation, Head
-from proxy.inflight import InFlight
+from proxy.inflight import Entry, InFlight, JoinIntent
 from proxy.logs import log_event
 
 CLAIM_TTL_S = 10.0  # renewed every third while planning or running
@@ -52,6 +55,7 @@ WATCH_TTL_S = 6.0
 STREAM_TTL_S = 120.0  # a finished generation's stream stays replayable this long
 READ_BLOCK_MS = 500
 CLAIM_ATTEMPTS = 3
+REFUSED = object()  # the origin refused a join: the request is no retry of its generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,51 +75,71 @@ class ClusterInFlight(InFlight):
         self.log = logger
         self.grace_s = grace_s
         self._claims: dict[bytes, Claim] = {}
+        self._claimed: dict[bytes, Entry] = {}  # the local entry each claim stands for
         self._tasks: set[asyncio.Task[None]] = set()
         self._tapped: set[bytes] = set()
         self._listener: asyncio.Task[None] | None = None
 
     # -- claiming -------------------------------------------------------------------------
 
-    async def claim(self, key: bytes) -> Generation | asyncio.Future[Generation]:
+    async def claim(self, key: bytes, intent: JoinIntent | None = None
+                    ) -> Generation | asyncio.Future[Generation]:
+        intent = intent or JoinIntent()
         for _ in range(CLAIM_ATTEMPTS):
-            running = await self.find(key)
+            running = await self.find(key, intent)
             if running is not None:
                 return running
+            if key in self._claims:
+                break  # ours runs here and this request is no retry of it: its own sample
             token = self.cluster.token()
             stream = self.cluster.key("gen", key.hex(), token.rsplit("/", 1)[1])
             claim = Claim(self.cluster.replica, stream, token)
             try:
                 if await self.cluster.r.set(self._claim_key(key), claim.value(), nx=True,
                                             px=int(CLAIM_TTL_S * 1000)):
-                    return self._reserve_claimed(key, claim)
+                    return self._reserve_claimed(key, claim, intent)
                 other = await self._current_claim(key)
                 if other is None:
                     continue
-                mirror = await self._join_remote(key, other)
+                mirror = await self._join_remote(key, other, intent)
             except (redis.RedisError, OSError) as exc:
                 log_event(self.log, logging.WARNING, "in-flight registry unreachable",
                           error=str(exc))
                 break
-            if mirror is not None:
+            if mirror is REFUSED:
+                break  # running there, but this request is no retry of it
+            if isinstance(mirror, Generation):
                 return mirror
-        return self.reserve(key)  # planned here, without a shared claim
+        return self.reserve(key, intent)  # planned here, without a shared claim
 
-    def _reserve_claimed(self, key: bytes, claim: Claim) -> asyncio.Future[Generation]:
-        reservation = self.reserve(key)
+    def _reserve_claimed(self, key: bytes, claim: Claim, intent: JoinIntent
+                         ) -> asyncio.Future[Generation]:
+        reservation = self.reserve(key, intent)
+        entry = self._find_entry(key, reservation)
+        assert entry is not None
         self._claims[key] = claim
+        self._claimed[key] = entry
         self._spawn(self._keep_claim(key, claim))
         return reservation
 
     def release(self, key: bytes, reservation: asyncio.Future[Generation]) -> None:
+        claimed = self._holds_claim(key, reservation)
         super().release(key, reservation)
-        self._drop_claim(key)
+        if claimed:
+            self._drop_claim(key)
 
     def remove(self, key: bytes, generation: Generation) -> None:
+        claimed = self._holds_claim(key, generation)
         super().remove(key, generation)
-        self._drop_claim(key)
+        if claimed:
+            self._drop_claim(key)
+
+    def _holds_claim(self, key: bytes, target: object) -> bool:
+        entry = self._claimed.get(key)
+        return entry is not None and entry.target is target
 
     def _drop_claim(self, key: bytes) -> None:
+        self._claimed.pop(key, None)
         claim = self._claims.pop(key, None)
         if claim is not None:
             self._spawn(self._delete_claim(key, claim))
@@ -154,23 +178,33 @@ class ClusterInFlight(InFlight):
 
     # -- joining a generation running on another replica ------------------------------------
 
-    async def _join_remote(self, key: bytes, claim: Claim) -> Generation | None:
+    async def _join_remote(self, key: bytes, claim: Claim,
+                           intent: JoinIntent) -> Generation | object | None:
+        """The mirror of the generation running there; ``REFUSED`` when the request is
+        no retry of it (the origin decides: only it knows whether its clients left); None
+        when it is gone or was not planned."""
         r = self.cluster.r
         watch = self.cluster.key("watch", key.hex())
         await r.set(watch, self.cluster.replica, px=int(WATCH_TTL_S * 1000))
+        reply = self.cluster.key("joinreply", self.cluster.token().rsplit("/", 1)[1])
         asked = await r.publish(self.cluster.key("join", claim.replica),
-                                orjson.dumps({"k": key.hex(), "s": claim.stream}))
+                                orjson.dumps({"k": key.hex(), "s": claim.stream, "j": reply,
+                                              **intent.wire()}))
         if not asked:
             return None  # nobody listens there: the replica is gone
+        answered: Any = await r.blpop([reply], timeout=REPLICA_TTL_S * 2)
+        answer = answered[1] if answered else None
+        if answer == b"refused":
+            return REFUSED
         reader = StreamReader(self.cluster, claim, watch)
-        first = await reader.next()
+        first = await reader.next() if answer == b"ok" else None
         if first is None or first.get(b"t") != b"started":
             log_event(self.log, logging.INFO, "in-flight claim abandoned",
                       replica=claim.replica, reason="its request was not planned"
                       if first is not None else "replica gone")
             return None
         mirror = Generation(lambda g: _mirror(reader), grace_s=self.grace_s)
-        InFlight.add(self, key, mirror)
+        self.entry(key, mirror, intent)
         mirror.on_done(lambda g: InFlight.remove(self, key, g))
         mirror.start()
         log_event(self.log, logging.INFO, "joined in flight on another replica",
@@ -202,18 +236,27 @@ class ClusterInFlight(InFlight):
                 if message is None or message.get("type") != "message":
                     continue
                 data = orjson.loads(message["data"])
-                self._spawn(self._serve_join(bytes.fromhex(data["k"]), str(data["s"])))
+                self._spawn(self._serve_join(bytes.fromhex(data["k"]), str(data["s"]),
+                                             str(data["j"]), JoinIntent.from_wire(data)))
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
 
-    async def _serve_join(self, key: bytes, stream: str) -> None:
-        claim = self._claims.get(key)
-        generation = await self.find(key)
-        if generation is None or claim is None or claim.stream != stream:
-            await self.cluster.r.xadd(stream, {"t": "abandoned"})
-            await self.cluster.r.expire(stream, int(STREAM_TTL_S))
+    async def _serve_join(self, key: bytes, stream: str, reply: str,
+                          intent: JoinIntent) -> None:
+        """Answer one joiner on its own reply list (``ok``, ``refused`` or ``abandoned``),
+        then publish the generation's frames if nobody publishes them yet."""
+        claim, entry = self._claims.get(key), self._claimed.get(key)
+        generation = None
+        if claim is not None and entry is not None and claim.stream == stream:
+            generation = await self.joinable_of(entry, intent)
+        if generation is None:
+            target = entry.target if entry is not None else None
+            planned = isinstance(target, Generation) or (
+                isinstance(target, asyncio.Future) and not target.cancelled())
+            await self._answer_join(reply, "refused" if planned else "abandoned")
             return
+        await self._answer_join(reply, "ok")
         if key in self._tapped:
             return  # already publishing: the joiner replays the stream from its start
         self._tapped.add(key)
@@ -221,6 +264,12 @@ class ClusterInFlight(InFlight):
             await _tap(self.cluster, generation, stream, self.cluster.key("watch", key.hex()))
         finally:
             self._tapped.discard(key)
+
+    async def _answer_join(self, reply: str, answer: str) -> None:
+        async with self.cluster.r.pipeline(transaction=False) as pipe:
+            pipe.rpush(reply, answer)
+            pipe.expire(reply, int(WATCH_TTL_S))
+            await pipe.execute()
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

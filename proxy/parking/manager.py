@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -79,6 +80,21 @@ class RestoreResult:
 
 def random_filename() -> str:
     return f"{PARK_PREFIX}{secrets.token_hex(10)}.bin"
+
+
+_PARK_NAME = re.compile(rf"{re.escape(PARK_PREFIX)}[0-9a-f]{{1,64}}\.bin")
+
+
+def is_park_filename(name: str) -> bool:
+    """A name parking itself writes (``random_filename``): nothing else is ever deleted,
+    restored or read, whatever an index row (sqlite or Redis, either writable by others)
+    says."""
+    return _PARK_NAME.fullmatch(name) is not None
+
+
+def park_path(files_dir: Path, name: str) -> Path | None:
+    """The park file ``name`` in ``files_dir``; None for a name parking never writes."""
+    return files_dir / name if is_park_filename(name) else None
 
 
 class ParkManager:
@@ -290,7 +306,12 @@ class ParkManager:
                                   f"parked under model {record.model}, the engine runs "
                                   f"{self.model}", level=logging.INFO)
         started = time.monotonic()
-        path = self.config.files_dir / record.filename
+        path = park_path(self.config.files_dir, record.filename)
+        if path is None:
+            self._remove_quietly(record, "invalid")
+            return self._declined(session, record, "mismatched",
+                                  "the index names a file parking never writes",
+                                  level=logging.WARNING)
         try:
             tokens = await asyncio.to_thread(_check_file, path, record,
                                              self.config.verify_content)
@@ -496,8 +517,12 @@ class ParkManager:
         """Record first, then the file: a crash in between leaves an orphan file (swept).
         Only records in this lane's directory come here."""
         self.index.delete(record.park_id)
-        if record.scope == self.scope:
-            unlink(self.config.files_dir / record.filename)
+        path = park_path(self.config.files_dir, record.filename)
+        if path is None:
+            log_event(self.log, logging.WARNING, "park file not deleted", file=record.filename,
+                      reason="not a name parking writes")
+        elif record.scope == self.scope:
+            unlink(path)
         owner = record.owner  # the file was its owner's latest park
         if owner is not None and reason == "budget":
             _bounded_set(self._unparked, owner, "its parked file was removed to stay within "
@@ -522,12 +547,13 @@ class ParkManager:
             self.index.delete(park_id)
             self.metrics.park_removals.labels("invalid").inc()
         for record in self.index.oldest_first(self.scope):
-            if size_of(self.config.files_dir / record.filename) != record.size:
+            path = park_path(self.config.files_dir, record.filename)
+            if path is None or size_of(path) != record.size:
                 self._remove(record, "invalid")
         known = self.index.filenames()  # every directory's: never another lane's file
         now = time.time()
         for path in self.config.files_dir.glob(f"{PARK_PREFIX}*.bin"):
-            if path.name in known or not path.is_file():
+            if path.name in known or not is_park_filename(path.name) or not path.is_file():
                 continue
             if self.index.replicated and (age_of(path, now) or 0.0) < ORPHAN_MIN_AGE_S:
                 continue  # perhaps another replica's save, not recorded yet

@@ -51,6 +51,10 @@ class FakeLlamaConfig:
     events_per_write: int = 1  # >1 batches SSE events per socket write, as a busy server does
     model: str = "fake-model.gguf"
     sequence: bool = False  # every JSON event carries "seq", its index in the stream
+    # The --cache-ram this fake declares in /props (``cache_ram``, MiB): 0 says its prompt
+    # cache stays per slot. None: not declared, and the proxy assumes a shared host cache
+    # (its flags are not readable: proxy.engines.shared_cache_reason).
+    cache_ram: int | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +106,7 @@ class FakeLlamaServer:
             "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n"
                              "{{ m.content }}<|im_end|>\n{% endfor %}",
             "build_info": "fake", "bos_token": "", "eos_token": "<|im_end|>",
+            **({} if self.config.cache_ram is None else {"cache_ram": self.config.cache_ram}),
         })
 
     async def _models(self, request: Request) -> Response:

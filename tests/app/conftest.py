@@ -7,31 +7,52 @@ tested against the real llama-server in tests/e2e.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 
 from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import ProxyApps, create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 ProxyFactory = Callable[..., Any]
 
 
+class ProxyClient(httpx.AsyncClient):
+    """A tenant's client of the proxy in process (the tenant port); ``admin`` is a client of
+    the same process's operator listener (``/sessions``, ``/metrics``, engine paths)."""
+
+    admin: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def clients_of(apps: ProxyApps, *, base_url: str = "http://proxy",
+                     **options: Any) -> AsyncIterator[ProxyClient]:
+    """A client of ``apps.tenant`` with ``admin`` for ``apps.operator`` (the lifespan is the
+    caller's: ``apps.tenant.router.lifespan_context``)."""
+    async with AsyncExitStack() as stack:
+        admin = await stack.enter_async_context(httpx.AsyncClient(
+            transport=StreamingASGITransport(apps.operator_listener), base_url=base_url + "-admin",
+            **options))
+        client = await stack.enter_async_context(ProxyClient(
+            transport=StreamingASGITransport(apps.tenant_listener), base_url=base_url, **options))
+        client.admin = admin
+        yield client
+
+
 @asynccontextmanager
 async def running_proxy(engine: FakeLlamaServer | None = None,
-                        **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient,
+                        **settings: Any) -> AsyncIterator[tuple[ProxyClient,
                                                                  FakeLlamaServer]]:
     engine = engine or FakeLlamaServer(FakeLlamaConfig())
     config = Settings(upstream="http://fake-llama", **settings)
-    app = create_app(config, transport=StreamingASGITransport(engine.app()))
-    async with app.router.lifespan_context(app):
-        transport = StreamingASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-            yield client, engine
+    apps = create_apps(config, transport=StreamingASGITransport(engine.app()))
+    app = apps.tenant
+    async with app.router.lifespan_context(app), clients_of(apps) as client:
+        yield client, engine
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import pytest
 
 from core.asgi_transport import StreamingASGITransport
 from proxy.affinity import AffinityPlanner
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from tests.app.conftest import running_proxy
+from tests.app.conftest import clients_of, running_proxy
 from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.anyio
@@ -55,7 +55,7 @@ async def test_interleaved_sessions_each_keep_their_slot() -> None:
                 if turn > 1:  # all of the previous prompt came from the cache
                     assert cached(body) >= previous[name], (name, turn)
                 previous[name] = body["usage"]["prompt_tokens"]
-        sessions = (await client.get("/sessions")).json()
+        sessions = (await client.admin.get("/sessions")).json()
     slots = [r["id_slot"] for r in engine.requests]
     assert slots[0::2] == [slots[0]] * 3
     assert slots[1::2] == [slots[1]] * 3
@@ -73,7 +73,7 @@ async def test_a_title_request_under_the_same_key_is_a_side_history() -> None:
         await ask(client, conversation("A", 1), {"x-session-id": "A"})
         await ask(client, title, {"x-session-id": "A"})
         again = await ask(client, conversation("A", 2), {"x-session-id": "A"})
-        sessions = (await client.get("/sessions")).json()["namespaces"]["anon"]
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]["anon"]
     assert cached(again) > 0
     kinds = sorted((s["kind"], s["last_decision"]) for s in sessions)
     assert kinds == [("main", "resumed"), ("side", "declined")]
@@ -89,7 +89,7 @@ async def test_an_edited_last_message_rewinds_the_same_session() -> None:
         await ask(client, first, {"x-session-id": "A"})
         edited = [*first[:-1], {"role": "user", "content": "an edited question"}]
         body = await ask(client, edited, {"x-session-id": "A"})
-        session = (await client.get("/sessions")).json()["namespaces"]["anon"][0]
+        session = (await client.admin.get("/sessions")).json()["namespaces"]["anon"][0]
     assert session["last_decision"] == "rewound"
     assert "diverged at message 3" in session["last_reason"]
     assert engine.requests[0]["id_slot"] == engine.requests[1]["id_slot"]
@@ -110,13 +110,15 @@ async def test_keyless_conversations_resume_by_their_bytes() -> None:
 async def test_tenants_never_share_a_session_or_a_cached_prefix() -> None:
     """Same session key, two bearer tokens: two sessions. On a 1-slot engine the second
     tenant's request takes the slot with cache_prompt off, so it cannot learn, from its
-    cached tokens, anything of what the first tenant's history holds."""
-    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1))
+    cached tokens, anything of what the first tenant's history holds. (The engine keeps
+    its prompt cache per slot, --cache-ram 0: on one with a shared host cache the second
+    tenant is refused instead, tests/app/test_isolation.py.)"""
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1, cache_ram=0))
     history = conversation("A", 2)
     async with running_proxy(engine) as (client, _):
         await ask(client, history, {"x-session-id": "A", "authorization": "Bearer one"})
         other = await ask(client, history, {"x-session-id": "A", "authorization": "Bearer two"})
-        sessions = (await client.get("/sessions")).json()["namespaces"]
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]
     assert cached(other) == 0
     assert engine.requests[1]["cache_prompt"] is False
     assert len(sessions) == 2
@@ -128,7 +130,7 @@ async def test_the_rollback_switch_leaves_a_plain_pass_through() -> None:
     """PREFIXPIN_AFFINITY=0: no id_slot, no sessions; the engine chooses."""
     async with running_proxy(affinity=False) as (client, engine):
         await ask(client, conversation("A", 1), {"x-session-id": "A"})
-        sessions = (await client.get("/sessions")).json()
+        sessions = (await client.admin.get("/sessions")).json()
     assert "id_slot" not in engine.requests[0]
     assert sessions["affinity"] is False
     assert sessions["namespaces"] == {}
@@ -140,7 +142,7 @@ async def test_decisions_are_counted_by_tier_and_outcome() -> None:
         await ask(client, conversation("A", 1), {"x-session-id": "A"})
         await ask(client, conversation("A", 2), {"x-session-id": "A"})
         await ask(client, [SYSTEM, {"role": "user", "content": "other"}], {"x-session-id": "A"})
-        text = (await client.get("/metrics")).text
+        text = (await client.admin.get("/metrics")).text
     assert 'prefixpin_affinity_decisions_total{outcome="new",tier="explicit"} 1.0' in text
     assert 'prefixpin_affinity_decisions_total{outcome="resumed",tier="explicit"} 1.0' in text
     assert 'prefixpin_affinity_declines_total{cause="edited"} 1.0' in text
@@ -151,10 +153,10 @@ async def test_only_keyless_requests_are_fingerprinted() -> None:
     fingerprint (tokenizing a long history); a keyless one is fingerprinted, and its
     resend costs no tokenization at all (the memo of prefix chains)."""
     engine = FakeLlamaServer()
-    app = create_app(Settings(upstream="http://fake-llama", tokenizer=ensure_model("smollm2")),
-                     transport=StreamingASGITransport(engine.app()))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=StreamingASGITransport(app), base_url="http://proxy") as client:
+    apps = create_apps(Settings(upstream="http://fake-llama", tokenizer=ensure_model("smollm2")),
+                       transport=StreamingASGITransport(engine.app()))
+    app = apps.tenant
+    async with app.router.lifespan_context(app), clients_of(apps) as client:
         planner = app.state.prefixpin.service.planner
         assert isinstance(planner, AffinityPlanner)
         assert planner.fingerprinter is not None

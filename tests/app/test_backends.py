@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.backends import MemoryHomes, rendezvous, session_identity
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import ProxyClient, clients_of
 
 pytestmark = pytest.mark.anyio
 
@@ -42,21 +43,21 @@ class Switch(httpx.AsyncBaseTransport):
 
 @asynccontextmanager
 async def several(n: int = 3, *, n_slots: int = 2, **settings: Any
-                  ) -> AsyncIterator[tuple[httpx.AsyncClient, list[FakeLlamaServer],
+                  ) -> AsyncIterator[tuple[ProxyClient, list[FakeLlamaServer],
                                            list[Switch]]]:
     engines = [FakeLlamaServer(FakeLlamaConfig(n_slots=n_slots)) for _ in range(n)]
     switches = [Switch(StreamingASGITransport(e.app())) for e in engines]
     config = Settings(upstream=URLS[0], upstreams=URLS[1:n], health_interval_s=0.2,
                       **settings)
-    app = create_app(config, transports=dict(zip(URLS, switches, strict=False)))
+    apps = create_apps(config, transports=dict(zip(URLS, switches, strict=False)))
+    app = apps.tenant
     async with app.router.lifespan_context(app):
         for _ in range(100):  # every lane probed and ready
             router = app.state.prefixpin.router
             if all(lane.ready for lane in router.lanes):
                 break
             await asyncio.sleep(0.02)
-        transport = StreamingASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        async with clients_of(apps) as client:
             yield client, engines, switches
 
 
@@ -105,7 +106,7 @@ async def test_a_session_stays_on_one_backend_and_sessions_spread() -> None:
             placements.append(where[0])
         # 6 sessions, 3 backends of 2 slots, occupancy limit 1 session per slot: all used.
         assert sorted(placements) == [0, 0, 1, 1, 2, 2]
-        sessions = (await client.get("/sessions")).json()
+        sessions = (await client.admin.get("/sessions")).json()
         assert [b["upstream"] for b in sessions["backends"]] == LABELS
         health = (await client.get("/healthz")).json()
         assert [u["status"] for u in health["upstreams"]] == ["ok"] * 3
@@ -137,7 +138,7 @@ async def test_a_session_whose_backend_is_down_re_primes_elsewhere_and_says_so()
         reply = await chat(client, history, "moving")
         new_home = engine_of(engines, before)
         assert new_home != home
-        sessions = (await client.get("/sessions")).json()["namespaces"]["anon"]
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]["anon"]
         reason = next(s["last_reason"] for s in sessions if s["key"] == "moving")
         assert f"re-primed on {LABELS[new_home]}: backend {LABELS[home]} down" in reason
         # The backend comes back: the session stays where its cache now is.

@@ -79,8 +79,10 @@ def served() -> Iterator[Served]:
         logger.addHandler(capture)
     logging.getLogger("prefixpin").setLevel(logging.DEBUG)  # the request lines too
     engine = FakeLlamaServer(FakeLlamaConfig(model=str(ensure_model("smollm2"))))
+    # allow_shared_cache: the odd-token tests are several namespaces on one fake whose
+    # prompt cache is assumed shared (tests/app/test_isolation.py covers the refusal).
     settings_ = Settings(upstream="http://placeholder", max_body_bytes=MAX_BODY,
-                         max_messages=MAX_MESSAGES)
+                         max_messages=MAX_MESSAGES, allow_shared_cache=True)
     try:
         with serve_in_thread(engine.app()) as engine_url, serve_in_thread(
                 create_app(settings_.model_copy(update={"upstream": engine_url})),

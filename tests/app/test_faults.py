@@ -30,12 +30,12 @@ import httpx
 import pytest
 
 from adapters._http import send_with_stale_retry
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread
 from proxy.testing.tcp_tap import TcpTap, run_tap
+from tests.app.conftest import ProxyClient, clients_of
 from tests.reporting import print_uncaptured
 
 pytestmark = pytest.mark.anyio
@@ -86,11 +86,13 @@ def assert_openai_error(payload: dict[str, Any]) -> dict[str, Any]:
     return error
 
 
-async def read(client: httpx.AsyncClient, body: dict[str, Any], capture: Capture) -> Capture:
+async def read(client: httpx.AsyncClient, body: dict[str, Any], capture: Capture,
+               headers: dict[str, str] | None = None) -> Capture:
     """Send one request and record everything, within CLIENT_DEADLINE_S (a hung stream
     fails the test instead of hanging it)."""
     async with asyncio.timeout(CLIENT_DEADLINE_S):
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 headers=headers) as response:
             capture.status = response.status_code
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 capture.body = json.loads(await response.aread())
@@ -125,12 +127,12 @@ def engine_behind_tap(config: FakeLlamaConfig | None = None,
 
 
 @asynccontextmanager
-async def proxy_to(upstream: str, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def proxy_to(upstream: str, **settings: Any) -> AsyncIterator[ProxyClient]:
     options: dict[str, Any] = {"heartbeat_s": 0.05, "health_interval_s": 0.2, **settings}
-    app = create_app(Settings(upstream=upstream, **options))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=StreamingASGITransport(app), base_url="http://proxy",
-            timeout=CLIENT_DEADLINE_S) as client:
+    apps = create_apps(Settings(upstream=upstream, **options))
+    app = apps.tenant
+    async with app.router.lifespan_context(app), clients_of(
+            apps, timeout=CLIENT_DEADLINE_S) as client:
         yield client
 
 
@@ -170,13 +172,13 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
             await asyncio.sleep(0.01)
 
 
-async def sessions_when(client: httpx.AsyncClient,
+async def sessions_when(client: ProxyClient,
                         predicate: Callable[[list[dict[str, Any]]], bool]
                         ) -> list[dict[str, Any]]:
     """The /sessions view once ``predicate`` holds for its sessions (all namespaces)."""
     async with asyncio.timeout(WAIT_S):
         while True:
-            body = (await client.get("/sessions")).json()
+            body = (await client.admin.get("/sessions")).json()
             sessions = [s for ns in body["namespaces"].values() for s in ns]
             if predicate(sessions):
                 return sessions
@@ -186,7 +188,8 @@ async def sessions_when(client: httpx.AsyncClient,
 @pytest.mark.parametrize("phase", ["prefill", "generation"])
 async def test_a_killed_engine_ends_every_attached_stream_with_an_error_within_a_second(
         phase: str) -> None:
-    """Three identical streams (joined to one generation), a non-streaming twin and an
+    """Three identical streams (one request resent: joined to one generation), a
+    non-streaming twin and an
     unrelated stream; the engine dies: each streaming client gets an OpenAI error event
     and the end of its stream within 1 s, the folded client an error status."""
     config = (FakeLlamaConfig(prefill_s_per_token=0.01, batch=4) if phase == "prefill"
@@ -197,8 +200,10 @@ async def test_a_killed_engine_ends_every_attached_stream_with_an_error_within_a
             captures = [Capture() for _ in range(5)]
             bodies = [chat(prompt, stream=True)] * 3 + [chat(prompt),
                                                         chat(prompt + " other", stream=True)]
-            tasks = [asyncio.create_task(read(client, body, capture))
-                     for body, capture in zip(bodies, captures, strict=True)]
+            # One request resent (one idempotency key): a join, not independent samples.
+            same = {"idempotency-key": "one"}
+            tasks = [asyncio.create_task(read(client, body, capture, same if i < 4 else None))
+                     for i, (body, capture) in enumerate(zip(bodies, captures, strict=True))]
             streaming = [c for c, b in zip(captures, bodies, strict=True) if b.get("stream")]
             started = Capture.saw_prefill if phase == "prefill" else Capture.saw_output
             await wait_until(lambda: all(started(c) for c in streaming))
@@ -234,7 +239,7 @@ async def test_a_lost_engine_makes_sessions_unverified_and_a_restart_resets_the_
             done = await client.post("/v1/chat/completions", headers=headers,
                                      json={"messages": messages, "max_tokens": 3})
             assert done.status_code == 200
-            before = (await client.get("/sessions")).json()
+            before = (await client.admin.get("/sessions")).json()
             assert [s["session"] for s in before["slots"]].count(None) == 1, before["slots"]
             capture = Capture()
             task = asyncio.create_task(read(client, chat("a long answer", stream=True), capture))
@@ -252,7 +257,7 @@ async def test_a_lost_engine_makes_sessions_unverified_and_a_restart_resets_the_
             COUNTS["engine restarts"] += 1
             await sessions_when(
                 client, lambda s: any(x["last_reason"] == "engine restarted" for x in s))
-            slots = (await client.get("/sessions")).json()["slots"]
+            slots = (await client.admin.get("/sessions")).json()["slots"]
             assert all(s["session"] is None and s["tokens"] == 0 for s in slots), slots
             # Bytes decide again: the session's next turn is judged on its history.
             messages += [{"role": "assistant", "content": "ok"},

@@ -21,11 +21,12 @@ import pytest
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter
 from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.engines import ENGINES, EngineKind, kind_of, register
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
+from tests.app.conftest import ProxyClient, clients_of
 from tests.app.test_backends import Switch
 from tests.ollama.conftest import MODELS, instant_sleep
 
@@ -36,14 +37,15 @@ LLAMA, OLLAMA = "http://llama-a:8080", "http://ollama-b:11434"
 
 @asynccontextmanager
 async def mixed(ollama_link: Switch | None = None, **settings: Any
-                ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeLlamaServer, Any]]:
+                ) -> AsyncIterator[tuple[ProxyClient, FakeLlamaServer, Any]]:
     llama = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
     ollama = create_fake_ollama(FakeOllamaConfig(models=MODELS, sleep=instant_sleep))
     link = ollama_link or Switch(StreamingASGITransport(ollama))
     link.inner = StreamingASGITransport(ollama)
     transports = {LLAMA: StreamingASGITransport(llama.app()), OLLAMA: link}
-    app = create_app(Settings(upstream=LLAMA, upstreams=[OLLAMA], health_interval_s=0.2,
-                              **settings), transports=transports)
+    apps = create_apps(Settings(upstream=LLAMA, upstreams=[OLLAMA], health_interval_s=0.2,
+                                **settings), transports=transports)
+    app = apps.tenant
     async with app.router.lifespan_context(app):
         router = app.state.prefixpin.router
         for _ in range(200):
@@ -51,8 +53,7 @@ async def mixed(ollama_link: Switch | None = None, **settings: Any
                 break
             await asyncio.sleep(0.02)
         assert all(lane.ready for lane in router.lanes)
-        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
-                                     base_url="http://proxy", timeout=30) as client:
+        async with clients_of(apps, timeout=30) as client:
             yield client, llama, ollama
 
 
@@ -66,12 +67,12 @@ def test_every_adapter_has_one_registered_kind() -> None:
 
 async def test_a_single_engine_is_a_router_with_one_lane() -> None:
     engine = FakeLlamaServer(FakeLlamaConfig(n_slots=2))
-    app = create_app(Settings(upstream=LLAMA), transport=StreamingASGITransport(engine.app()))
+    apps = create_apps(Settings(upstream=LLAMA), transport=StreamingASGITransport(engine.app()))
+    app = apps.tenant
     async with app.router.lifespan_context(app):
         router = app.state.prefixpin.router
         assert [lane.label for lane in router.lanes] == ["llama-a:8080"]
-        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
-                                     base_url="http://proxy") as client:
+        async with clients_of(apps) as client:
             messages = [{"role": "user", "content": "hello there"}]
             for _ in range(2):
                 reply = await client.post("/v1/chat/completions", headers={"x-session-id": "s"},
@@ -79,7 +80,7 @@ async def test_a_single_engine_is_a_router_with_one_lane() -> None:
                 assert reply.status_code == 200, reply.text
                 messages = [*messages, reply.json()["choices"][0]["message"],
                             {"role": "user", "content": "and again"}]
-            view = (await client.get("/sessions")).json()
+            view = (await client.admin.get("/sessions")).json()
         assert view["affinity"] is True
         assert view["placement"] is None
         assert [b["upstream"] for b in view["backends"]] == ["llama-a:8080"]
@@ -116,13 +117,13 @@ async def test_ollama_and_llama_server_lanes_behind_one_router() -> None:
                 assert response.status_code == 200, response.text
                 messages = [*messages, response.json()["choices"][0]["message"],
                             {"role": "user", "content": "Go on."}]
-                view = (await client.get("/sessions")).json()
+                view = (await client.admin.get("/sessions")).json()
                 (session,) = [s for s in view["namespaces"]["anon"] if s["key"] == key]
                 lanes.add(session["backend"])
             assert len(lanes) == 1, lanes  # every turn on the session's lane
             where[key] = lanes.pop()
         assert set(where.values()) == {"llama-a:8080", "ollama-b:11434"}, where
-        view = (await client.get("/sessions")).json()
+        view = (await client.admin.get("/sessions")).json()
         assert {b["upstream"]: b["engine"] for b in view["backends"]} == {
             "llama-a:8080": "llama-server", "ollama-b:11434": "ollama"}
         (native,) = [s for s in view["namespaces"]["anon"] if s["key"] == "native"]
@@ -156,7 +157,7 @@ async def test_an_ollama_engine_lost_chills_only_the_ollama_lanes_sessions() -> 
         link.down = True
         health = (await client.get("/healthz")).json()  # the watch learns it now
         assert [u["status"] for u in health["upstreams"]] == ["ok", "unreachable"]
-        view = (await client.get("/sessions")).json()
+        view = (await client.admin.get("/sessions")).json()
         keys = {s["key"]: (s["backend"], s["last_decision"]) for s in view["namespaces"]["anon"]}
         assert {backend for backend, _ in keys.values()} == {"llama-a:8080",
                                                              "ollama-b:11434"}, keys
@@ -175,7 +176,8 @@ async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
     config = Settings(upstream=LLAMA, upstreams=["embedded"], model=ensure_model("smollm2"),
                       slots=1, ctx_size=2048, threads=2, park_dir=tmp_path,
                       park_min_tokens=64, overload_occupancy=1.0)
-    app = create_app(config, transports={LLAMA: StreamingASGITransport(llama.app())})
+    apps = create_apps(config, transports={LLAMA: StreamingASGITransport(llama.app())})
+    app = apps.tenant
     async with app.router.lifespan_context(app):
         router = app.state.prefixpin.router
         for _ in range(500):
@@ -184,8 +186,7 @@ async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
             await asyncio.sleep(0.02)
         assert [lane.label for lane in router.lanes] == ["llama-a:8080", "embedded"]
         assert router.lanes[1].parking is not None
-        async with httpx.AsyncClient(transport=StreamingASGITransport(app),
-                                     base_url="http://proxy", timeout=300) as client:
+        async with clients_of(apps, timeout=300) as client:
             placed: dict[str, str] = {}
             for key in ("first", "second"):
                 messages = [{"role": "system", "content": f"You answer for {key}. " * 12},
@@ -200,7 +201,7 @@ async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
                     cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
                     messages = [*messages, body["choices"][0]["message"],
                                 {"role": "user", "content": "Another."}]
-                view = (await client.get("/sessions")).json()
+                view = (await client.admin.get("/sessions")).json()
                 (session,) = [s for s in view["namespaces"]["anon"] if s["key"] == key]
                 placed[key] = session["backend"]
                 assert session["last_decision"] == "resumed", session

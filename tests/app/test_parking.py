@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from proxy.parking import INDEX_NAME, PARK_PREFIX, SLOT_FILE_MAGIC, SLOT_FILE_VERSION
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from tests.app.conftest import running_proxy
+from tests.app.conftest import ProxyClient, running_proxy
 
 pytestmark = pytest.mark.anyio
 
@@ -158,8 +158,8 @@ def prompt(body: dict[str, Any]) -> int:
     return int(body["usage"]["prompt_tokens"])
 
 
-async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
-    text = (await client.get("/metrics")).text
+async def metric(client: ProxyClient, name: str, **labels: str) -> float:
+    text = (await client.admin.get("/metrics")).text
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     pattern = rf"^{name}(?:\{{{re.escape(wanted)}\}})? (\S+)$" if wanted else rf"^{name} (\S+)$"
     found = re.search(pattern, text, re.MULTILINE)
@@ -197,7 +197,7 @@ async def test_an_evicted_session_is_parked_and_restored_when_it_returns(
         assert await metric(client, "prefixpin_restores_total", outcome="restored") == 1
         assert await metric(client, "prefixpin_park_bytes") == sum(
             p.stat().st_size for p in park_files(tmp_path))
-        view = (await client.get("/sessions")).json()
+        view = (await client.admin.get("/sessions")).json()
         actions = [a[0] for a in engine.actions if "probe" not in a[2]]
     assert actions == ["save", "save", "restore"]  # A when B came, B when A came back, A
     assert cached(again) == prompt(first)  # all of it: the reply differs from the transcript
@@ -265,7 +265,7 @@ async def test_a_restarted_proxy_resumes_parked_sessions_from_the_index(
         b_again = await ask(client, conversation("B", 2), None)
         assert await metric(client, "prefixpin_park_revivals_total") == 2
         assert await metric(client, "prefixpin_restores_total", outcome="restored") == 2
-        sessions = (await client.get("/sessions")).json()["namespaces"]["anon"]
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]["anon"]
     assert cached(a_again) == prompt(a_first)
     assert cached(b_again) == prompt(b_first)
     assert {s["key"]: s["last_decision"] for s in sessions} == {"A": "resumed", None: "resumed"}
@@ -298,7 +298,7 @@ async def test_an_engine_restart_restores_parked_sessions(tmp_path: Path) -> Non
         await ask(client, conversation("B", 1), "B")
         engine.restart()
         for _ in range(200):
-            if (await client.get("/sessions")).json()["slots"][0]["session"] is None:
+            if (await client.admin.get("/sessions")).json()["slots"][0]["session"] is None:
                 break
             await asyncio.sleep(0.01)
         again = await ask(client, conversation("A", 2), "A")
@@ -395,16 +395,49 @@ async def test_orphan_files_and_rows_without_files_are_swept_at_start(tmp_path: 
     files = park_files(tmp_path)
     assert len(files) == 2
     files[0].unlink()
-    orphan = tmp_path / f"{PARK_PREFIX}orphan.bin"
+    orphan = tmp_path / f"{PARK_PREFIX}0123abcd.bin"
     orphan.write_bytes(b"x" * 100)
     unrelated = tmp_path / "someone-elses.bin"
     unrelated.write_bytes(b"y")
+    not_ours = tmp_path / f"{PARK_PREFIX}orphan.bin"  # the prefix, but not a name we write
+    not_ours.write_bytes(b"z")
     async with running_proxy(engine, **settings(tmp_path)) as (client, _):
-        view = (await client.get("/sessions")).json()["parking"]
+        view = (await client.admin.get("/sessions")).json()["parking"]
         assert await metric(client, "prefixpin_park_removals_total", reason="orphan") == 1
     assert view["files"] == 1
     assert not orphan.exists()
     assert unrelated.exists()
+    assert not_ours.exists()
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", INDEX_NAME, "pp-../../x.bin", "pp-ab.bin/"])
+async def test_the_deleter_never_trusts_the_file_name_in_an_index_row(
+        tmp_path: Path, name: str) -> None:
+    """A row (the sqlite index, or Redis: writable by others) naming a file parking never
+    writes: the row goes, the file stays, and nothing is restored from it."""
+    import sqlite3
+
+    park = tmp_path / "park"
+    park.mkdir()
+    engine = SlotFileFakeLlama(park)
+    async with running_proxy(engine, **settings(park)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+    assert len(park_files(park)) == 2
+    decoys = [park / INDEX_NAME, tmp_path / "outside.bin", index_dir(park) / INDEX_NAME]
+    for decoy in decoys[:2]:
+        decoy.write_bytes(b"precious")
+    db = sqlite3.connect(index_dir(park) / INDEX_NAME)
+    db.execute("UPDATE parked SET filename = ? WHERE rowid = (SELECT MIN(rowid) FROM parked)",
+               (name,))
+    db.commit()
+    db.close()
+    async with running_proxy(engine, **settings(park)) as (client, _):
+        view = (await client.admin.get("/sessions")).json()["parking"]
+        await ask(client, conversation("A", 2), "A")  # the row named A or B: never restored
+    assert view["files"] == 1  # the bad row is gone
+    assert all(d.exists() for d in decoys)
+    assert decoys[0].read_bytes() == decoys[1].read_bytes() == b"precious"
 
 
 async def test_no_park_dir_means_parking_off_said_once(
@@ -497,7 +530,7 @@ async def test_parking_pauses_itself_when_the_engine_re_processes_restored_slots
         await ask(client, conversation("C", 1), "C")
         assert await metric(client, "prefixpin_restores_total", outcome="not_reused") == 2
         assert await metric(client, "prefixpin_parks_total", outcome="off") == 1
-        view = (await client.get("/sessions")).json()["parking"]
+        view = (await client.admin.get("/sessions")).json()["parking"]
         assert [a for a in engine.actions if a[0] == "save"] == saves
     [paused] = events(caplog, "parking paused")
     assert "re-processed 2 restored slots" in paused["reason"]

@@ -152,21 +152,24 @@ async def test_bad_input_is_rejected_before_the_engine_sees_it(
 
 
 async def test_other_paths_pass_through_unchanged() -> None:
-    """llama-server's own endpoints answer through the proxy."""
+    """llama-server's own endpoints answer through the proxy: the read-only ones on the
+    tenant port, all of them on the operator listener."""
     async with running_proxy() as (client, engine):
         props = await client.get("/props")
-        slots = await client.get("/slots")
-        missing = await client.get("/no-such-endpoint")
+        slots = await client.admin.get("/slots")
+        missing = await client.admin.get("/no-such-endpoint")
+        refused = await client.get("/no-such-endpoint")
     assert props.json()["total_slots"] == engine.config.n_slots
     assert [s["id"] for s in slots.json()] == [0, 1]
     assert missing.status_code == 404
+    assert refused.status_code == 403
 
 
 async def test_metrics_have_histograms_with_values_after_a_request() -> None:
     """/metrics exposes the cache and latency histograms, filled by a request."""
     async with running_proxy() as (client, _):
         await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
-        text = (await client.get("/metrics")).text
+        text = (await client.admin.get("/metrics")).text
     for name in ("prefixpin_prompt_tokens_count", "prefixpin_cached_tokens_count",
                  "prefixpin_cached_fraction_count", "prefixpin_ttft_seconds_count",
                  "prefixpin_prefill_seconds_count"):
@@ -182,7 +185,7 @@ async def test_a_slow_prefill_gets_heartbeats_with_progress() -> None:
                  "stream": True}
     async with running_proxy(engine, heartbeat_s=0.05) as (client, _):
         response = await client.post("/v1/chat/completions", json=long_chat)
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.admin.get("/metrics")).text
     comments = [e for e in sse_events(response.text) if e.startswith(":")]
     assert any(c.startswith(": prefill ") and " cached 0" in c for c in comments), comments
     assert "prefixpin_heartbeats_total 0.0" not in metrics
@@ -214,7 +217,7 @@ async def test_the_answer_ends_with_the_engines_done_not_its_body(stream: bool) 
         response = await client.post("/v1/chat/completions", json=body,
                                      headers={"x-session-id": "A"})
         elapsed = time.monotonic() - started
-        sessions = (await client.get("/sessions")).json()["namespaces"]
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]
     assert response.status_code == 200
     if stream:
         assert data_of(sse_events(response.text))[-1] == "[DONE]"

@@ -86,7 +86,7 @@ async def two_turns(rewrite: Callable[[list[Message]], None], tools: list[Any], 
                                       headers=second_headers or headers,
                                       json={"messages": second, "tools": tools,
                                             "max_tokens": 2})
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.admin.get("/metrics")).text
     return engine.requests, response.json(), metrics
 
 
@@ -131,7 +131,10 @@ async def test_a_single_policy_can_be_switched_off(name: str) -> None:
 async def test_no_repair_brings_another_sessions_bytes(headers: dict[str, str]) -> None:
     """A history that would match after repair, sent by another namespace or session, is
     forwarded as sent: the first session's tool result never reaches it."""
-    requests, _, _ = await two_turns(clear_result, TOOLS, second_headers=headers)
+    # --allow-shared-cache: another tenant on the fake (its cache assumed shared) would be
+    # refused before repair; this test is about what repair does.
+    requests, _, _ = await two_turns(clear_result, TOOLS, second_headers=headers,
+                                     allow_shared_cache=True)
     assert SECRET in str(requests[0]["messages"])
     assert SECRET not in str(requests[1]["messages"])
 
@@ -149,6 +152,6 @@ async def test_keyless_sessions_are_repaired_after_fingerprint_nomination() -> N
                    {"role": "user", "content": "Next."}]
         await client.post("/v1/chat/completions",
                           json={"messages": second, "tools": TOOLS, "max_tokens": 2})
-        session = (await client.get("/sessions")).json()["namespaces"]["anon"][0]
+        session = (await client.admin.get("/sessions")).json()["namespaces"]["anon"][0]
     assert engine.requests[1]["messages"][:6] == engine.requests[0]["messages"]
     assert session["last_decision"] == "resumed"

@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import ProxyClient, clients_of
 from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = [pytest.mark.anyio,
@@ -80,7 +81,7 @@ class _Counted(httpx.AsyncByteStream):
 
 @asynccontextmanager
 async def replicas(redis_url: str, engines: list[FakeLlamaServer], n: int = 2,
-                   **settings: Any) -> AsyncIterator[tuple[list[httpx.AsyncClient],
+                   **settings: Any) -> AsyncIterator[tuple[list[ProxyClient],
                                                            list[SlotWatch]]]:
     prefix = f"test{next(_prefixes)}"
     watches = [SlotWatch(StreamingASGITransport(e.app())) for e in engines]
@@ -90,15 +91,15 @@ async def replicas(redis_url: str, engines: list[FakeLlamaServer], n: int = 2,
             config = Settings(upstream=URLS[0], upstreams=URLS[1:len(engines)],
                               redis=redis_url, redis_prefix=prefix, replica_id=f"replica-{i}",
                               health_interval_s=0.5, **settings)
-            app = create_app(config, transports=dict(zip(URLS, watches, strict=False)))
+            apps = create_apps(config, transports=dict(zip(URLS, watches, strict=False)))
+            app = apps.tenant
             await stack.enter_async_context(app.router.lifespan_context(app))
             for _ in range(100):
                 if all(lane.ready for lane in app.state.prefixpin.router.lanes):
                     break
                 await asyncio.sleep(0.02)
-            client = httpx.AsyncClient(transport=StreamingASGITransport(app),
-                                       base_url=f"http://replica-{i}")
-            clients.append(await stack.enter_async_context(client))
+            clients.append(await stack.enter_async_context(
+                clients_of(apps, base_url=f"http://replica-{i}")))
         yield clients, watches
 
 
@@ -130,7 +131,7 @@ async def test_turns_alternating_between_replicas_continue_one_session(
         assert len(used) == 1  # one backend, whichever replica asked
         slots = {r.get("id_slot") for r in engines[used[0]].requests}
         assert len(slots) == 1  # one slot: the session's
-        views = [(await c.get("/sessions")).json()["namespaces"]["anon"] for c in clients]
+        views = [(await c.admin.get("/sessions")).json()["namespaces"]["anon"] for c in clients]
         ids = [{s["id"] for s in view if s["key"] == "alternating"} for view in views]
         assert ids[0] == ids[1]
         assert len(ids[0]) == 1
@@ -156,7 +157,8 @@ async def test_a_retry_on_the_other_replica_joins_the_running_generation(
 
         task = asyncio.create_task(original())
         await asyncio.wait_for(started.wait(), 10)
-        retry = await clients[1].post("/v1/chat/completions", json={**body, "stream": False})
+        retry = await clients[1].post("/v1/chat/completions", json={**body, "stream": False},
+                                      headers={"x-stainless-retry-count": "1"})
         await task
         assert retry.status_code == 200, retry.text
         assert len(engine.requests) == 1  # one engine request for both clients
@@ -164,7 +166,7 @@ async def test_a_retry_on_the_other_replica_joins_the_running_generation(
                        if line.startswith(b"data: {")
                        for c in httpx.Response(200, content=line[6:]).json()["choices"])
         assert retry.json()["choices"][0]["message"]["content"] == text
-        metrics = (await clients[1].get("/metrics")).text
+        metrics = (await clients[1].admin.get("/metrics")).text
         assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' in metrics
 
 
@@ -174,10 +176,43 @@ async def test_a_retry_waits_for_a_generation_that_fails_and_gets_its_error(
     async with replicas(redis_server.url, [engine]) as (clients, _):
         body = {"model": "m", "max_tokens": 5,
                 "messages": [{"role": "user", "content": "word " * 200}]}  # > n_ctx
-        a, b = await asyncio.gather(clients[0].post("/v1/chat/completions", json=body),
-                                    clients[1].post("/v1/chat/completions", json=body))
+        same = {"idempotency-key": "one-request"}  # one request, sent to both replicas
+        a, b = await asyncio.gather(
+            clients[0].post("/v1/chat/completions", json=body, headers=same),
+            clients[1].post("/v1/chat/completions", json=body, headers=same))
         assert a.status_code == b.status_code == 400
         assert a.json() == b.json()
+        assert len(engine.requests) == 1
+
+
+async def test_identical_requests_on_two_replicas_are_independent_samples(
+        redis_server: RedisProcess) -> None:
+    """pass@k across replicas: the second request is no retry of the first (its client is
+    still reading), so the origin refuses the join and it runs its own generation."""
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=2, token_delay_s=0.05))
+    async with replicas(redis_server.url, [engine]) as (clients, _):
+        body = {"model": "m", "max_tokens": 20,
+                "messages": [{"role": "user", "content": "sample me"}]}
+        first = asyncio.create_task(clients[0].post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.3)
+        second = await clients[1].post("/v1/chat/completions", json=body)
+        assert (await first).status_code == second.status_code == 200
+        assert len(engine.requests) == 2
+        metrics = (await clients[1].admin.get("/metrics")).text
+        assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' not in metrics
+
+
+async def test_a_resend_on_the_other_replica_after_the_client_left_joins(
+        redis_server: RedisProcess) -> None:
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=2, token_delay_s=0.2))
+    async with replicas(redis_server.url, [engine], retry_grace_s=5) as (clients, _):
+        body = {"model": "m", "max_tokens": 30, "stream": True,
+                "messages": [{"role": "user", "content": "a story, again"}]}
+        with pytest.raises(TimeoutError):  # the client gives up mid-answer
+            await asyncio.wait_for(clients[0].post("/v1/chat/completions", json=body), 0.5)
+        await asyncio.sleep(0.1)
+        resend = await clients[1].post("/v1/chat/completions", json=body)
+        assert resend.status_code == 200
         assert len(engine.requests) == 1
 
 

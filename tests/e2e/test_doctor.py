@@ -165,3 +165,29 @@ def test_unreachable_upstream_exits_2(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2
     assert not report["reachable"]
     assert report["error"]
+
+
+@pytest.mark.parametrize("cache_ram", [None, "0"])
+def test_shared_cache_probe(capsys: pytest.CaptureFixture[str], cache_ram: str | None) -> None:
+    """llama-server's default --cache-ram (8192 MiB) is one host cache for all slots: a
+    prefix cached on slot 0 and pushed out of it is served from cache on slot 1. With
+    --cache-ram 0 it is not; the flag read from /proc says the same."""
+    flags = GOOD_FLAGS + (["--cache-ram", cache_ram] if cache_ram is not None else [])
+    with llama_server("smollm2", flags) as llama:
+        _, probed = doctor(capsys, llama.url, *SMALL, "--no-local", "--probe-shared-cache")
+        _, local = doctor(capsys, llama.url, *SMALL, "--no-probe")
+        _, unknown = doctor(capsys, llama.url, *SMALL, "--no-probe", "--no-local")
+    seen, from_flags = by_key(probed)["shared-cache"], by_key(local)["shared-cache"]
+    cache_n = int(seen["evidence"].rsplit("cache_n ", 1)[1])
+    if cache_ram is None:
+        assert seen["status"] == from_flags["status"] == "warning", (seen, from_flags)
+        assert cache_n > 100, seen  # most of the 200-token prefix, on the other slot
+        assert "--cache-ram 0" in seen["fix"]
+        assert "--allow-shared-cache" in seen["fix"]
+        assert "default is 8192" in from_flags["evidence"]
+    else:
+        assert seen["status"] == from_flags["status"] == "ok", (seen, from_flags)
+        assert cache_n < 20, seen
+        assert "--cache-ram 0 on the command line" in from_flags["evidence"]
+    assert by_key(unknown)["shared-cache"]["status"] == "unknown"
+    assert "assumes it is" in by_key(unknown)["shared-cache"]["summary"]

@@ -137,7 +137,7 @@ def wait_parking_on(replica: ReplicaProcess, lanes: int, timeout: float = 60) ->
     deadline = time.monotonic() + timeout
     view: Json = {}
     while time.monotonic() < deadline:
-        view = httpx.get(f"{replica.url}/sessions", timeout=10).json()
+        view = httpx.get(f"{replica.admin_url}/sessions", timeout=10).json()
         backends = view.get("backends") or []
         if len(backends) == lanes and all(b["parking"] for b in backends):
             return
@@ -191,7 +191,7 @@ def wait_lane_down(replicas: list[ReplicaProcess], label: str, timeout: float = 
     deadline = time.monotonic() + timeout
     pending = list(replicas)
     while pending and time.monotonic() < deadline:
-        view = httpx.get(f"{pending[0].url}/sessions", timeout=10).json()
+        view = httpx.get(f"{pending[0].admin_url}/sessions", timeout=10).json()
         if not next(b["up"] for b in view["backends"] if b["upstream"] == label):
             pending.pop(0)
             continue
@@ -234,7 +234,7 @@ def test_sessions_parked_by_one_replica_are_restored_by_the_other(rig: Rig) -> N
         restored = [metric(r.url, "prefixpin_restores_total", outcome="restored")
                     for r in replicas]
         parked = [metric(r.url, "prefixpin_parks_total", outcome="parked") for r in replicas]
-        views = [httpx.get(f"{r.url}/sessions", timeout=10).json() for r in replicas]
+        views = [httpx.get(f"{r.admin_url}/sessions", timeout=10).json() for r in replicas]
         mixed_s = time.monotonic() - started - alone_s
 
         # Failover: the engine most sessions live on stops; their next turns move.
@@ -343,7 +343,7 @@ def test_a_replica_shutting_down_parks_what_the_slot_holds_now(
         s += [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "more"}]
         s2 = usage_of(b.url, "S", s)
         ids = {v["key"]: v["id"] for v in
-               httpx.get(f"{b.url}/sessions", timeout=10).json()["namespaces"]["anon"]}
+               httpx.get(f"{b.admin_url}/sessions", timeout=10).json()["namespaces"]["anon"]}
     finally:
         stop_all(replicas)
     at_shutdown = [e["session"] for e in log_events(replicas[0], "parked")

@@ -91,7 +91,7 @@ def test_turns_alternating_between_replicas_keep_their_cache(
         history.append(reply["choices"][0]["message"])
     print(f"\ncached fraction per turn (replicas 0,1,0,1): {[round(f, 3) for f in fractions]}")
     assert all(f >= 0.9 for f in fractions[1:]), fractions
-    views = [httpx.get(f"{r.url}/sessions", timeout=10).json() for r in replicas]
+    views = [httpx.get(f"{r.admin_url}/sessions", timeout=10).json() for r in replicas]
     for view in views:
         mine = [s for s in view["namespaces"]["anon"] if s["key"] == "alternating"]
         assert len(mine) == 1
@@ -134,7 +134,7 @@ def test_a_retry_on_the_other_replica_joins_the_generation_in_flight(
           f"(prompt: {prompt} tokens)")
     assert retry["choices"][0]["message"]["content"] == first["text"]
     assert after - before <= prompt * 1.05  # prefilled once, not twice
-    metrics = httpx.get(f"{replicas[1].url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{replicas[1].admin_url}/metrics", timeout=10).text
     assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' in metrics
 
 
@@ -182,6 +182,6 @@ def test_a_killed_replica_loses_only_its_clients_and_sessions_continue(
     print(f"\nretry after the kill: {time.monotonic() - started:.1f} s, cached "
           f"{cached_fraction(reply):.3f}")
     assert cached_fraction(reply) >= 0.9
-    sessions = httpx.get(f"{replicas[1].url}/sessions", timeout=10).json()
+    sessions = httpx.get(f"{replicas[1].admin_url}/sessions", timeout=10).json()
     mine = [s for s in sessions["namespaces"]["anon"] if s["key"] == "survivor"]
     assert len(mine) == 1

@@ -20,7 +20,7 @@ import httpx
 from starlette.applications import Starlette
 
 from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_ollama import (
     FakeModel,
@@ -56,7 +56,8 @@ def fake_config(**overrides: Any) -> FakeOllamaConfig:
 
 @dataclass
 class Rig:
-    client: httpx.AsyncClient  # talks to the proxy
+    client: httpx.AsyncClient  # talks to the proxy's tenant port
+    admin: httpx.AsyncClient  # its operator listener
     proxy: Starlette
     fake: Starlette
     recorder: Recorder | None = None
@@ -66,10 +67,10 @@ class Rig:
         return fake_ollama_state(self.fake)
 
     async def metrics(self) -> str:
-        return (await self.client.get("/metrics")).text
+        return (await self.admin.get("/metrics")).text
 
     async def sessions(self) -> list[dict[str, Any]]:
-        body = (await self.client.get("/sessions")).json()
+        body = (await self.admin.get("/sessions")).json()
         return [s for group in body["namespaces"].values() for s in group]
 
 
@@ -109,17 +110,20 @@ async def proxy_rig(config: FakeOllamaConfig | None = None, *, recorder: bool = 
     fake = create_fake_ollama(config or fake_config())
     upstream: Any = Recorder(fake) if recorder else fake
     options: dict[str, Any] = {"upstream": "http://fake-ollama", **settings}
-    app = create_app(Settings(**options), transport=StreamingASGITransport(upstream))
-    async with app.router.lifespan_context(app):
-        transport = StreamingASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy",
-                                     timeout=30) as client:
-            yield Rig(client, app, fake, upstream if recorder else None)
+    apps = create_apps(Settings(**options), transport=StreamingASGITransport(upstream))
+    app = apps.tenant
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=StreamingASGITransport(apps.tenant_listener), base_url="http://proxy",
+            timeout=30) as client, httpx.AsyncClient(
+            transport=StreamingASGITransport(apps.operator_listener), base_url="http://operator",
+            timeout=30) as admin:
+        yield Rig(client, admin, app, fake, upstream if recorder else None)
 
 
 @dataclass
 class Served:
-    url: str  # the proxy's base URL
+    url: str  # the proxy's base URL (the tenant port)
+    admin_url: str  # its operator listener's
     fake: Starlette
     recorder: Recorder
 
@@ -134,9 +138,10 @@ def served_proxy(config: FakeOllamaConfig | None = None, **settings: Any) -> Ite
     fake = create_fake_ollama(config or fake_config())
     recorder = Recorder(fake)
     options: dict[str, Any] = {"upstream": "http://fake-ollama", **settings}
-    app = create_app(Settings(**options), transport=StreamingASGITransport(recorder))
-    with serve_in_thread(app) as base:
-        yield Served(base, fake, recorder)
+    apps = create_apps(Settings(**options), transport=StreamingASGITransport(recorder))
+    with serve_in_thread(apps.tenant_listener) as base, serve_in_thread(
+            apps.operator_listener) as admin:
+        yield Served(base, admin, fake, recorder)
 
 
 @contextlib.contextmanager

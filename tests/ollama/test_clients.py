@@ -96,7 +96,7 @@ def test_ollama_tool_loop_is_one_session_served_from_cache(proxy: Served) -> Non
     assert second.message.content == REPLY
     forwarded = [body["messages"] for _, body in proxy.recorder.bodies]
     assert forwarded[1][:len(forwarded[0])] == forwarded[0]
-    sessions = httpx.get(f"{proxy.url}/sessions").json()["namespaces"]["anon"]
+    sessions = httpx.get(f"{proxy.admin_url}/sessions").json()["namespaces"]["anon"]
     assert sessions[0]["last_decision"] == "resumed"
     first_served, second_served = proxy.ollama.requests
     assert second_served.cached_tokens >= first_served.prompt_tokens

@@ -224,8 +224,9 @@ async def test_a_long_prefill_sends_spaces_only_to_streaming_clients() -> None:
 # ---------------------------------------------------------------------- join in flight
 
 async def test_identical_native_requests_share_one_generation() -> None:
-    """A resend during a slow prefill joins the generation in flight; a stream: false and
-    a streaming client share it too; the same body on /v1 is another answer."""
+    """A resend during a slow prefill (marked a retry, as the SDKs mark theirs) joins the
+    generation in flight; a stream: false and a streaming client share it too; the same
+    body on /v1 is another answer."""
     config = fake_config(sleep=asyncio.sleep, load_seconds=0.0,
                          prefill_seconds_per_token=0.01)
     prompt = [{"role": "user", "content": "word " * 40}]
@@ -233,8 +234,9 @@ async def test_identical_native_requests_share_one_generation() -> None:
     async with proxy_rig(config) as rig:
         first = asyncio.create_task(rig.client.post("/api/chat", json=body))
         await asyncio.sleep(0.1)
-        second = asyncio.create_task(rig.client.post("/api/chat",
-                                                     json={**body, "stream": False}))
+        second = asyncio.create_task(rig.client.post(
+            "/api/chat", json={**body, "stream": False},
+            headers={"x-stainless-retry-count": "1"}))
         openai = asyncio.create_task(rig.client.post("/v1/chat/completions", json=body))
         streamed, whole, v1 = await asyncio.gather(first, second, openai)
         requests = [r.path for r in rig.ollama.requests]

@@ -18,10 +18,11 @@ from tests.rig._process import free_port, kill_process, log_tail, stop_process
 
 @dataclass(slots=True)
 class ReplicaProcess:
-    url: str
+    url: str  # the tenant port
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    admin_url: str  # the operator listener: /sessions, /metrics, engine paths
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
@@ -45,7 +46,9 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
     ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script;
     ``cwd`` (default: this repository) another checkout's ``python -m proxy.cli``."""
     port = port or free_port()
-    argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    admin_port = free_port()
+    argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--admin-listen", f"127.0.0.1:{admin_port}"]
     for url in upstreams:
         argv += ["--upstream", url]
     if redis is not None:
@@ -58,7 +61,8 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                    cwd=cwd or Path(__file__).resolve().parents[2])
-    handle = ReplicaProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    handle = ReplicaProcess(f"http://127.0.0.1:{port}", port, process, log_path,
+                            f"http://127.0.0.1:{admin_port}")
     try:
         _wait_ready(handle, max(1, len(upstreams)), startup_timeout)
     except BaseException:
