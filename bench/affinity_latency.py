@@ -40,7 +40,14 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.overhead import percentile, process, timed_request
-from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
+from bench.trees import (
+    Tree,
+    cpu_per_request_us,
+    cpu_seconds,
+    operator_url,
+    paired_median_ms,
+    rotated,
+)
 from proxy.models import ensure_model
 from proxy.testing.servers import free_port
 
@@ -125,7 +132,8 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
         cpu = cpu_per_request_us(cpu_start, {name: cpu_seconds(pid) for name, pid in pids.items()},
                                  {name: requests * (2 if name.endswith("affinity") else 1)
                                   for name in pids})
-        sessions = {label: keyed.get(url + "/sessions").json()
+        sessions = {label: keyed.get((operator_url(url) if label == "this" else url)
+                                     + "/sessions").json()
                     for label, url in affinity_urls.items()}
         checks = [(label, client.post(url + "/v1/chat/completions",
                                       json={**body, "stream": False}).json())

@@ -57,6 +57,7 @@ from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_ar
 from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
 from bench.runner import HTTP_TIMEOUT, Turn, send_turn
 from bench.transcript import Transcript, load_named
+from bench.trees import operator_url
 from proxy.testing.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,10 +255,10 @@ def run_restore(rig: Rig, transcripts: dict[str, Transcript], tokens: int) -> di
     second = rig.proxy("parking", {})
     second.start()
     try:
-        before = httpx.get(f"{_url(second)}/metrics", timeout=10).text
+        before = httpx.get(f"{operator_url(_url(second))}/metrics", timeout=10).text
         rows += asyncio.run(run_requests("restore", _url(second),
                                          [client.request(big, step + 1)]))
-        after = httpx.get(f"{_url(second)}/metrics", timeout=10).text
+        after = httpx.get(f"{operator_url(_url(second))}/metrics", timeout=10).text
     finally:
         second.stop()
     restores = (metric_value(after, 'prefixpin_restores_total{outcome="restored"}')

@@ -123,3 +123,11 @@ def paired_median_ms(after: list[float], before: list[float]) -> dict[str, float
     high = min(n - 1, int(n / 2 + half))
     return {"median_ms": round(statistics.median(diffs), 3), "ci95_low_ms": round(diffs[low], 3),
             "ci95_high_ms": round(diffs[high], 3)}
+
+
+def operator_url(url: str) -> str:
+    """Where ``prefixpin serve --port P`` serves its views (``/sessions``, ``/metrics``)
+    without ``--admin-listen``: its operator listener on loopback, port ``P + 1``. Trees from
+    before the two listeners served them on ``P`` itself."""
+    base, port = url.rsplit(":", 1)
+    return f"{base}:{int(port) + 1}"

@@ -33,6 +33,23 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                       "so a resend can join it (default 30)"),
     "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),
     "--read-timeout": ("read_timeout_s", float, "longest engine silence (default 900)"),
+    "--max-sessions": ("max_sessions", int, "sessions kept in all; when full, the least "
+                       "recently used of the namespace holding the most goes (default 4096)"),
+    "--max-sessions-per-namespace": ("max_sessions_per_namespace", int, "sessions kept per "
+                                     "namespace (bearer token); its own least recently used "
+                                     "go first (default 1024)"),
+    "--max-committed-bytes-per-namespace": ("max_committed_bytes_per_namespace", int,
+                                            "committed history bytes kept per namespace; its "
+                                            "least recently used go first (default 256 MiB)"),
+    "--max-queued-per-namespace": ("max_queued_per_namespace", int, "requests of one "
+                                   "namespace waiting for a slot on one engine; the next gets "
+                                   "a 429 queue_full_namespace (default 32)"),
+    "--max-queued-per-lane": ("max_queued_per_lane", int, "requests of all namespaces "
+                              "waiting for a slot on one engine; the next gets a 429 "
+                              "queue_full_lane (default 256)"),
+    "--max-shared-sessions-per-namespace": (
+        "max_shared_sessions_per_namespace", int, "with --redis: session records one "
+        "namespace keeps in Redis; past it its least recently used are deleted (default 4096)"),
     "--model": ("model", str, "GGUF for the embedded engine (default SmolLM2-135M)"),
     "--slots": ("slots", int, "embedded engine slots (default 2)"),
     "--ctx-size": ("ctx_size", int, "embedded engine context per slot (default 8192)"),

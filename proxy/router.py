@@ -98,6 +98,8 @@ class Router:
                                      content=await self._without_controls(request))
             raw, client = await self._parse(request, codec)
             if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
+                # and that this namespace may use: an unload empties every session's cache
+                lanes = await self._lanes_for(namespace_of(request.headers), client, lanes)
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
                 return await lifecycle(lane.service.backend.adapter.http, lane.models,
                                        request, client, raw)
@@ -336,7 +338,9 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
         cluster = Cluster(settings.redis, settings.redis_prefix, settings.replica_id, logger)
         await cluster.start()
         store = SessionStore.from_settings(settings, new_id=new_session_id)
-        shared = SharedState(cluster, SharedSessions(cluster, store, logger))
+        shared = SharedState(cluster, SharedSessions(
+            cluster, store, logger,
+            max_per_namespace=settings.max_shared_sessions_per_namespace))
         homes = RedisHomes(cluster, settings.live_session_s)
         owners: CacheOwners = RedisOwners(cluster)
         inflight: InFlight = ClusterInFlight(cluster, logger, grace_s=settings.retry_grace_s)

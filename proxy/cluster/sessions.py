@@ -39,7 +39,11 @@ from proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
 KEYLESS_CANDIDATES = 32  # most recent keyless sessions of a namespace read per request
 TTL_S = 24 * 3600
 
-# KEYS: record, version, index. ARGV: version, record, ttl, index score, session id.
+# KEYS: record, version, index, the namespace's index of all its sessions. ARGV: version,
+# record, ttl, index score, session id, the namespace's cap, the record and version key
+# prefixes. Past the cap the namespace's least recently used records are deleted (their ids
+# may linger in a key's index: hydrate skips a missing record). The key names built here
+# keep this script to one Redis node, which is what prefixpin uses.
 _PUBLISH = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '0')
 if current >= tonumber(ARGV[1]) then return 0 end
@@ -47,6 +51,15 @@ redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[3])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+local over = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[6])
+if over > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, over - 1)) do
+    redis.call('DEL', ARGV[7] .. id, ARGV[8] .. id)
+    redis.call('ZREM', KEYS[4], id)
+  end
+end
 return 1
 """
 
@@ -56,10 +69,12 @@ def new_session_id() -> str:
 
 
 class SharedSessions:
-    def __init__(self, cluster: Cluster, store: SessionStore, logger: logging.Logger) -> None:
+    def __init__(self, cluster: Cluster, store: SessionStore, logger: logging.Logger, *,
+                 max_per_namespace: int = 4096) -> None:
         self.cluster = cluster
         self.store = store
         self.log = logger
+        self.max_per_namespace = max_per_namespace  # shared records a namespace keeps
         self._publish = cluster.sync.register_script(_PUBLISH)
 
     def _record_key(self, session_id: str) -> str:
@@ -121,8 +136,11 @@ class SharedSessions:
         try:
             written = self._publish(
                 keys=[self._record_key(session.id), self.cluster.key("sv", session.id),
-                      self._index_key(session.namespace, session.key)],
-                args=[version, record, TTL_S, session.last_used, session.id])
+                      self._index_key(session.namespace, session.key),
+                      self.cluster.key("all", session.namespace)],
+                args=[version, record, TTL_S, session.last_used, session.id,
+                      self.max_per_namespace, self.cluster.key("s", ""),
+                      self.cluster.key("sv", "")])
         except (redis.RedisError, OSError) as exc:
             log_event(self.log, logging.WARNING, "session not shared", session=session.id,
                       error=str(exc))

@@ -12,6 +12,8 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
+from proxy.app import ProxyApps
+
 
 class _Server(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the test runner owns signals
@@ -47,3 +49,24 @@ def serve_in_thread(app: ASGIApp, *, port: int | None = None, startup_timeout: f
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+class ServedURL(str):
+    """A served proxy's tenant base URL (it is the string); ``admin`` is its operator
+    listener's, where ``/sessions``, ``/metrics`` and the status page live."""
+
+    admin: str
+
+    def __new__(cls, url: str, admin: str) -> ServedURL:
+        served = super().__new__(cls, url)
+        served.admin = admin
+        return served
+
+
+@contextlib.contextmanager
+def serve_proxy(apps: ProxyApps, **options: Any) -> Iterator[ServedURL]:
+    """Both listeners of ``apps`` under uvicorn, the tenant's first (its lifespan opens the
+    router the operator's views read)."""
+    with serve_in_thread(apps.tenant_listener, **options) as url, \
+            serve_in_thread(apps.operator_listener, **options) as admin:
+        yield ServedURL(url, admin)

@@ -194,6 +194,22 @@ async def test_ollama_refuses_a_second_namespace() -> None:
     assert "Ollama" in health["upstreams"][0]["shared_cache"]
 
 
+async def test_another_namespace_cannot_unload_the_owners_model() -> None:
+    """A model load or unload empties every session's cache on that Ollama: it is the
+    owning namespace's to ask for, like any request there."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    async with proxy_rig() as rig:
+        first = await rig.client.post("/api/chat", headers=ONE, json=body)
+        unload = await rig.client.post("/api/generate", headers=TWO,
+                                       json={"model": MODEL, "keep_alive": 0})
+        own = await rig.client.post("/api/generate", headers=ONE,
+                                    json={"model": MODEL, "keep_alive": 0})
+    assert first.status_code == 200, first.text
+    assert unload.status_code == 403, unload.text
+    assert "--cache-ram 0" in unload.json()["error"]
+    assert own.status_code == 200, own.text
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisProcess]:
     with run_redis_server() as handle:

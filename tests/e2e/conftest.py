@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
+from proxy.testing.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 
@@ -33,7 +33,7 @@ def erase_slots(llama: LlamaServerProcess) -> Callable[[], None]:
     return erase
 
 
-ProxyRunner = Callable[..., AbstractContextManager[str]]
+ProxyRunner = Callable[..., AbstractContextManager[ServedURL]]
 
 
 @pytest.fixture
@@ -41,9 +41,9 @@ def run_proxy(llama: LlamaServerProcess) -> ProxyRunner:
     """Start the proxy (real uvicorn, free port) in front of the session's llama-server."""
 
     @contextmanager
-    def run(**settings: Any) -> Iterator[str]:
+    def run(**settings: Any) -> Iterator[ServedURL]:
         config = Settings(upstream=settings.pop("upstream", llama.url), **settings)
-        with serve_in_thread(create_app(config)) as url:
+        with serve_proxy(create_apps(config)) as url:
             yield url
 
     return run

@@ -166,7 +166,7 @@ def test_metrics_and_the_slot_gauge_after_real_requests(
         deadline = time.monotonic() + 5
         gauge: list[str] = []
         while time.monotonic() < deadline and not gauge:
-            text = httpx.get(f"{url}/metrics").text
+            text = httpx.get(f"{url.admin}/metrics").text
             gauge = [line for line in text.splitlines()
                      if line.startswith("prefixpin_slot_cached_tokens{")]
             time.sleep(0.05)

@@ -75,7 +75,7 @@ def test_every_dashboard_query_parses_and_names_exported_metrics(
             "max_tokens": 4, "temperature": 0, "stream_options": {"include_usage": True}}
     with run_proxy() as url:
         assert stream_chat(url, body).status == 200
-        proxy_text = httpx.get(f"{url}/metrics", timeout=10).text
+        proxy_text = httpx.get(f"{url.admin}/metrics", timeout=10).text
     llama_text = httpx.get(f"{llama.url}/metrics", timeout=10).text
     proxy_names, llama_names = exported(proxy_text), exported(llama_text)
     # The request went through: histograms have samples, not just declarations.

@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
+from proxy.testing.servers import ServedURL, serve_proxy
 from proxy.testing.tcp_tap import run_tap
 from tests.e2e.helpers import filler
 from tests.reporting import print_uncaptured
@@ -52,10 +52,10 @@ def print_counts(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @contextmanager
-def proxy(upstream: str, **settings: Any) -> Iterator[str]:
+def proxy(upstream: str, **settings: Any) -> Iterator[ServedURL]:
     options: dict[str, Any] = {"heartbeat_s": 0.1, "health_interval_s": 0.25, **settings}
-    with serve_in_thread(create_app(Settings(upstream=upstream, **options)),
-                         **http_options()) as url:
+    with serve_proxy(create_apps(Settings(upstream=upstream, **options)),
+                     **http_options()) as url:
         yield url
 
 
@@ -132,8 +132,8 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-def sessions(url: str) -> list[dict[str, Any]]:
-    body = httpx.get(f"{url}/sessions", timeout=10).json()
+def sessions(url: ServedURL) -> list[dict[str, Any]]:
+    body = httpx.get(f"{url.admin}/sessions", timeout=10).json()
     return [s for ns in body["namespaces"].values() for s in ns]
 
 
@@ -192,7 +192,7 @@ def test_a_killed_engine_ends_every_stream_within_a_second_and_a_restart_is_seen
         COUNTS["engine restarts"] += 1
         wait_for(lambda: any(s["last_reason"] == "engine restarted" for s in sessions(url)),
                  "restart detected")
-        slots = httpx.get(f"{url}/sessions").json()["slots"]
+        slots = httpx.get(f"{url.admin}/sessions").json()["slots"]
         assert all(s["session"] is None and s["tokens"] == 0 for s in slots), slots
 
         # Kill during generation.

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
+from proxy.testing.servers import serve_proxy
 from tests.e2e.conftest import ProxyRunner
 from tests.rig.llama_process import run_llama_server
 
@@ -44,7 +44,7 @@ def test_cache_ram_0_serves_every_namespace() -> None:
     with run_llama_server("smollm2", slots=2, ctx_per_slot=2048,
                           extra=["--cache-ram", "0"]) as llama:
         config = Settings(upstream=llama.url)
-        with serve_in_thread(create_app(config)) as url:
+        with serve_proxy(create_apps(config)) as url:
             answers = [ask(url, token) for token in ("tenant-a", "tenant-b", "tenant-a")]
             health = httpx.get(f"{url}/healthz", timeout=30).json()
     assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_ollama import create_fake_ollama
-from proxy.testing.servers import serve_in_thread
+from proxy.testing.servers import serve_in_thread, serve_proxy
 from tests.e2e.helpers import filler
 from tests.ollama.conftest import fake_config
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
@@ -47,7 +47,7 @@ def _run(llama: LlamaServerProcess, ollama: str, tmp_path: Path) -> None:
     config = Settings(upstream=llama.url, upstreams=["embedded", ollama],
                       model=ensure_model("smollm2"), slots=1, ctx_size=4096, threads=1,
                       park_dir=tmp_path, health_interval_s=1)
-    with serve_in_thread(create_app(config)) as url:
+    with serve_proxy(create_apps(config)) as url:
         lanes: dict[str, str] = {}
         for s in range(3):
             key = f"session-{s}"
@@ -58,7 +58,7 @@ def _run(llama: LlamaServerProcess, ollama: str, tmp_path: Path) -> None:
             for turn in range(3):
                 reply = chat(url, key, history)
                 usage = reply["usage"]
-                view = httpx.get(f"{url}/sessions", timeout=10).json()
+                view = httpx.get(f"{url.admin}/sessions", timeout=10).json()
                 (session,) = [x for x in view["namespaces"]["anon"] if x["key"] == key]
                 lane = lanes.setdefault(key, session["backend"])
                 assert session["backend"] == lane, (key, turn, session)

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
+from proxy.app import create_apps
 from proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
+from proxy.testing.servers import ServedURL, serve_proxy
 from tests.e2e.helpers import filler, stream_chat
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 from tests.rig.scrape import metric
@@ -67,14 +67,14 @@ def index_dir(park_dir: Path) -> Path:
 @contextmanager
 def proxy(engine: LlamaServerProcess, park_dir: Path, *,
           on_start: Callable[[ParkManager], None] | None = None,
-          **settings: Any) -> Iterator[str]:
+          **settings: Any) -> Iterator[ServedURL]:
     config = Settings(upstream=engine.url, park_dir=park_dir, health_interval_s=0.2,
                       **{"park_min_tokens": 128, "park_index_dir": index_dir(park_dir),
                          **settings})
-    app = create_app(config)
-    with serve_in_thread(app) as url:
+    apps = create_apps(config)
+    with serve_proxy(apps) as url:
         if on_start is not None:
-            planner = app.state.prefixpin.service.planner
+            planner = apps.tenant.state.prefixpin.service.planner
             on_start(planner.parking)
         yield url
 
@@ -150,10 +150,10 @@ def three_sessions(url: str, sessions: Sessions) -> dict[str, Json]:
     return {name: sessions.turn(url, name, 1) for name in "ABC"}
 
 
-def wait_for_restart_seen(url: str, timeout: float = 30) -> None:
+def wait_for_restart_seen(url: ServedURL, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        view = httpx.get(f"{url}/sessions", timeout=10).json()
+        view = httpx.get(f"{url.admin}/sessions", timeout=10).json()
         if all(slot["session"] is None for slot in view["slots"]):
             return
         time.sleep(0.1)
@@ -173,7 +173,7 @@ def test_parked_sessions_are_restored_after_a_llama_server_restart(
         wait_for_restart_seen(url)
         a2 = sessions.turn(url, "A", 2)
         b2 = sessions.turn(url, "B", 2)  # was in a slot at the restart: re-prefilled
-        assert metric(url, "prefixpin_restores_total", outcome="restored") == 1
+        assert metric(url.admin, "prefixpin_restores_total", outcome="restored") == 1
     assert cached(a2) >= prompt(first["A"])
     assert cached(b2) < prompt(first["B"]) // 2
     assert text(a2) == cold_answer(engine, sessions.last_body["A"])
@@ -191,9 +191,9 @@ def test_parked_sessions_are_restored_after_a_proxy_restart(
     with proxy(engine, clean) as url:
         a2 = sessions.turn(url, "A", 2)
         c2 = sessions.turn(url, "C", 2)
-        assert metric(url, "prefixpin_park_revivals_total") == 2
-        assert metric(url, "prefixpin_restores_total", outcome="restored") == 2
-        view = httpx.get(f"{url}/sessions", timeout=10).json()
+        assert metric(url.admin, "prefixpin_park_revivals_total") == 2
+        assert metric(url.admin, "prefixpin_restores_total", outcome="restored") == 2
+        view = httpx.get(f"{url.admin}/sessions", timeout=10).json()
     assert cached(a2) >= prompt(first["A"])
     assert cached(c2) >= prompt(first["C"])
     assert text(a2) == cold_answer(engine, sessions.last_body["A"])
@@ -223,7 +223,7 @@ def test_a_damaged_park_file_ends_in_the_cold_answer_with_a_logged_reason(
         [path] = park_files(clean)
         damage(path)
         a2 = sessions.turn(url, "A", 2)
-        assert metric(url, "prefixpin_restores_total", outcome=outcome) == 1
+        assert metric(url.admin, "prefixpin_restores_total", outcome=outcome) == 1
     assert text(a2) == cold_answer(engine, sessions.last_body["A"])
     [declined] = events(caplog, "restore declined")
     assert declined["outcome"] == outcome
@@ -245,8 +245,8 @@ def test_a_save_that_fails_ends_in_the_cold_answer_with_a_logged_reason(
     with proxy(engine, clean, on_start=block_saves) as url:
         three_sessions(url, sessions)
         a2 = sessions.turn(url, "A", 2)
-        assert metric(url, "prefixpin_parks_total", outcome="failed") >= 1
-        assert metric(url, "prefixpin_restores_total", outcome="restored") == 0
+        assert metric(url.admin, "prefixpin_parks_total", outcome="failed") >= 1
+        assert metric(url.admin, "prefixpin_restores_total", outcome="restored") == 0
     assert text(a2) == cold_answer(engine, sessions.last_body["A"])
     skipped = events(caplog, "park skipped")
     assert "Unable to save slot" in skipped[0]["reason"]
@@ -274,8 +274,8 @@ def test_a_full_disk_budget_drops_the_least_recently_used_park(
         three_sessions(url, sessions)  # C parks A
         sessions.turn(url, "D", 1)  # D parks B; A's file goes for the budget
         a2 = sessions.turn(url, "A", 2)
-        assert metric(url, "prefixpin_park_bytes") <= budget
-        assert metric(url, "prefixpin_restores_total", outcome="restored") == 0
+        assert metric(url.admin, "prefixpin_park_bytes") <= budget
+        assert metric(url.admin, "prefixpin_restores_total", outcome="restored") == 0
     assert text(a2) == cold_answer(engine, sessions.last_body["A"])
     parked_first = events(caplog, "parked")[0]["session"]  # A, when C took its slot
     removed = [e for e in events(caplog, "park removed") if e["reason"] == "budget"]
@@ -307,7 +307,7 @@ def test_a_request_finding_every_slot_busy_waits_with_heartbeats_then_gets_503(
         waited = time.monotonic() - started
         streamed = stream_chat(url, {"messages": [{"role": "user", "content": "hello"}],
                                      "max_tokens": 4})
-        assert metric(url, "prefixpin_requests_total", endpoint="chat",
+        assert metric(url.admin, "prefixpin_requests_total", endpoint="chat",
                       outcome="queue_timeout") == 2
     for thread in runners:
         thread.join(60)
@@ -388,8 +388,8 @@ def test_a_sliding_window_model_with_swa_full_is_parked_and_restored(
         with proxy(engine, tmp_path) as url:
             first = three_sessions(url, sessions)
             a2 = sessions.turn(url, "A", 2)
-            assert metric(url, "prefixpin_restores_total", outcome="restored") == 1
-            assert metric(url, "prefixpin_restores_total", outcome="not_reused") == 0
+            assert metric(url.admin, "prefixpin_restores_total", outcome="restored") == 1
+            assert metric(url.admin, "prefixpin_restores_total", outcome="not_reused") == 0
         # Gemma's template renders "model\n" + reply: the newline may merge with the reply's
         # first token, so reuse can stop a token before the first prompt's end.
         assert cached(a2) >= prompt(first["A"]) - 2

@@ -63,7 +63,7 @@ def test_resends_during_a_long_prefill_cost_one_prefill(
         while answer is None and attempts < 40:
             attempts += 1
             answer = impatient_stream(url, body)
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url.admin}/metrics").text
     processed = prompt_tokens_processed(llama) - before
     prompt = httpx.post(f"{llama.url}/tokenize", json={"content": content}).json()["tokens"]
     assert answer, f"no complete answer after {attempts} attempts"

@@ -40,7 +40,7 @@ def test_the_status_page_renders_sessions_and_their_charts(
             reply = httpx.post(f"{url}/v1/chat/completions", headers={"x-session-id": "page"},
                                json={"messages": messages, "max_tokens": 4}, timeout=120)
             messages.append(reply.json()["choices"][0]["message"])
-        page = f"{url}/"
+        page = f"{url.admin}/"
         dom = chromium(["--virtual-time-budget=5000", "--dump-dom", page], tmp_path / "a")
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "status-page.png"
