@@ -21,11 +21,10 @@ WORKDIR /var/lib/prefixpin
 
 # Two listeners: tenants on 8088 (the pipeline's routes and a read-only allow-list of
 # engine paths), the operator on 8089 (status page, /sessions, /metrics, every engine path
-# such as /slots). Both bind beyond the container's loopback, so the operator listener
-# needs a token: without PREFIXPIN_ADMIN_TOKEN (or --admin-token) prefixpin refuses to
-# start (exit 2). To keep the operator listener inside the container instead, set
-# PREFIXPIN_ADMIN_LISTEN=127.0.0.1:8089 (then no token is needed, and 8089 is not reachable).
-ENV PREFIXPIN_HOST=0.0.0.0 PREFIXPIN_PORT=8088 PREFIXPIN_ADMIN_LISTEN=0.0.0.0:8089
+# such as /slots). The operator listener stays on the container's loopback unless
+# PREFIXPIN_ADMIN_LISTEN=0.0.0.0:8089 publishes it, which needs PREFIXPIN_ADMIN_TOKEN too
+# (without one prefixpin refuses to start): deploy/compose.yaml does both.
+ENV PREFIXPIN_HOST=0.0.0.0 PREFIXPIN_PORT=8088 PREFIXPIN_ADMIN_LISTEN=127.0.0.1:8089
 EXPOSE 8088 8089
 
 # /healthz answers 503 while the engine is unreachable: the container is healthy only
