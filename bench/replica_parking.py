@@ -191,7 +191,8 @@ def start_replicas(arm: Arm, cache_ram: str, engines: list[LlamaServerProcess],
         for i in range(arm.replicas):
             started.append(start_replica(
                 [e.url for e in engines], work / "logs" / f"{prefix}-replica-{i}.log",
-                redis=redis.url, replica_id=f"{prefix}-{i}", args=args, env=env, cwd=cwd))
+                redis=redis.url, replica_id=f"{prefix}-{i}", args=args, env=env, cwd=cwd,
+                operator=arm.tree == "this"))
         for replica in started:
             wait_lanes_ready(replica, len(engines), parking=arm.tree == "this")
     except BaseException:
@@ -307,8 +308,9 @@ def log_events(path: Path, name: str) -> list[dict[str, Any]]:
 
 
 def park_figures(replicas: list[ReplicaProcess]) -> tuple[float, float]:
-    parks = sum(metric(r.url, "prefixpin_parks_total", outcome="parked") for r in replicas)
-    restores = sum(metric(r.url, "prefixpin_restores_total", outcome="restored")
+    parks = sum(metric(r.admin_url, "prefixpin_parks_total", outcome="parked")
+                for r in replicas)
+    restores = sum(metric(r.admin_url, "prefixpin_restores_total", outcome="restored")
                    for r in replicas)
     return parks, restores
 

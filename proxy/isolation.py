@@ -49,6 +49,16 @@ class NamespaceNotServedError(ClientError):
     code = "namespace_not_served"
 
 
+class ApiNotServedError(ClientError):
+    """A route of a wire format no engine behind this port serves through the pipeline. It
+    is not forwarded: an engine that answers it anyway (llama-server routes ``/api/chat`` to
+    its chat handler) would serve it unpinned, past the shared-cache gate."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "api_not_served"
+
+
 def refusal(namespace: str, refused: list[tuple[str, str]]) -> SharedPromptCacheError:
     """``refused``: (label, why its cache is shared) of each lane another namespace owns."""
     where = "; ".join(f"{label}: {why}" for label, why in refused)

@@ -15,7 +15,6 @@ lane that answers (``proxy.passthrough``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +40,7 @@ from proxy.engines import (
 from proxy.identity import namespace_of
 from proxy.inflight import InFlight
 from proxy.isolation import (
+    ApiNotServedError,
     CacheOwners,
     MemoryOwners,
     NamespaceNotServedError,
@@ -51,16 +51,13 @@ from proxy.lane import Lane, SharedState
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.ollama import lifecycle
-from proxy.passthrough import forward
 from proxy.service import Backend, Incoming, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
 from proxy.validation import (
-    ENGINE_CONTROLS,
     ClientRequest,
     read_body,
-    without_engine_controls,
 )
 from proxy.watch import EngineWatch, probe_until_ready
 
@@ -91,11 +88,9 @@ class Router:
         try:
             lanes = [lane for lane in self.lanes
                      if codec.api in kind_of(lane.service.backend.adapter).serves]
-            if not lanes:  # no engine here serves this API: to the engine as it came,
-                # minus the slot and cache controls that are the proxy's alone
-                adapter = self.lane_for_passthrough().service.backend.adapter
-                return await forward(request, adapter.http,
-                                     content=await self._without_controls(request))
+            if not lanes:  # never forwarded: see ApiNotServedError
+                raise ApiNotServedError(f"{request.method} {request.url.path}: no engine "
+                                        f"behind this port serves the {codec.api} API")
             raw, client = await self._parse(request, codec)
             if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
                 # and that this namespace may use: an unload empties every session's cache
@@ -106,19 +101,6 @@ class Router:
             return await self._serve(request, client, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)
-
-    async def _without_controls(self, request: Request) -> bytes:
-        """A body forwarded past the pipeline: read (within --max-body), and when it is a
-        JSON object holding ``ENGINE_CONTROLS``, encoded again without them."""
-        raw = await read_body(request.stream(), request.headers.get("content-length"),
-                              self.settings.max_body_bytes)
-        try:
-            body = json.loads(raw) if raw.strip() else None
-        except (ValueError, RecursionError):
-            return raw  # not JSON: the engine refuses it, and it carries no slot
-        if not isinstance(body, dict) or not any(key in body for key in ENGINE_CONTROLS):
-            return raw
-        return json.dumps(without_engine_controls(body)).encode()
 
     async def _parse(self, request: Request, codec: Codec) -> tuple[bytes, ClientRequest]:
         """The body read and parsed once, for the whole request path."""

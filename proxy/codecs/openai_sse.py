@@ -57,7 +57,10 @@ class OpenAICodec:
         return f"OpenAICodec({self.endpoint!r})"
 
     def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
-        return parse_request(raw, self.endpoint, path, max_messages=max_messages)
+        # The engine is asked on its OpenAI path (the first route, /v1/...) whatever alias
+        # the client used: on llama-server a bare /completions is its native API, whose
+        # stream and answer are not this format.
+        return parse_request(raw, self.endpoint, self.routes[0], max_messages=max_messages)
 
     def stream(self, client: ClientRequest, generation: Generation, *,
                fill_cached: bool) -> ClientView:

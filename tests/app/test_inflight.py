@@ -124,20 +124,23 @@ async def test_sub_agents_with_different_session_ids_never_share() -> None:
     assert {"agent-a", "agent-b"} <= keys
 
 
-async def test_native_and_v1_completions_never_join() -> None:
-    """``/completions`` and ``/v1/completions`` share a codec, not a path: a retry on one
-    never gets the answer running on the other (it is forwarded itself: the fake engine
-    answers its native path with a 404)."""
+async def test_bare_completions_is_the_openai_api_and_a_retry_joins_it() -> None:
+    """``/completions`` is prefixpin's OpenAI completions route on every engine: it is
+    forwarded to the engine's ``/v1/completions`` (on llama-server a bare ``/completions``
+    is its native API, another format), so a retry on it joins the same answer running on
+    ``/v1/completions``."""
     body = {"prompt": "word " * 60, "max_tokens": 6}
-    async with running_proxy(slow_engine()) as (client, _):
+    async with running_proxy(slow_engine()) as (client, engine):
         first = asyncio.create_task(client.post("/v1/completions", json=body))
         await asyncio.sleep(0.3)
-        native = await client.post("/completions", json=body,
-                                   headers={"x-stainless-retry-count": "1"})
-        assert (await first).status_code == 200
+        alias = await client.post("/completions", json=body,
+                                  headers={"x-stainless-retry-count": "1"})
+        answer = await first
         metrics = (await client.admin.get("/metrics")).text
-    assert native.status_code == 404
-    assert "prefixpin_inflight_joins_total{" not in metrics
+    assert answer.status_code == alias.status_code == 200, alias.text
+    assert alias.json()["choices"] == answer.json()["choices"]
+    assert len(engine.requests) == 1
+    assert 'prefixpin_inflight_joins_total{endpoint="completions"} 1.0' in metrics
 
 
 def test_the_inflight_key_names_the_path_and_the_session() -> None:

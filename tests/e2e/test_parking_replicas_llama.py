@@ -231,9 +231,9 @@ def test_sessions_parked_by_one_replica_are_restored_by_the_other(rig: Rig) -> N
             for s in ROUND:
                 sessions.turn(replicas[(s + t) % 2].url, s, t)
         mixed = prefilled(rig.engines) - before
-        restored = [metric(r.url, "prefixpin_restores_total", outcome="restored")
+        restored = [metric(r.admin_url, "prefixpin_restores_total", outcome="restored")
                     for r in replicas]
-        parked = [metric(r.url, "prefixpin_parks_total", outcome="parked") for r in replicas]
+        parked = [metric(r.admin_url, "prefixpin_parks_total", outcome="parked") for r in replicas]
         views = [httpx.get(f"{r.admin_url}/sessions", timeout=10).json() for r in replicas]
         mixed_s = time.monotonic() - started - alone_s
 

@@ -60,8 +60,12 @@ def replicas(redis_server: RedisProcess, engines: list[LlamaServerProcess],
             replica.stop()
 
 
-def chat(url: str, messages: list[dict[str, Any]], key: str, **extra: Any) -> dict[str, Any]:
-    response = httpx.post(f"{url}/v1/chat/completions", headers={"x-session-id": key},
+def chat(url: str, messages: list[dict[str, Any]], key: str, *, retry: bool = False,
+         **extra: Any) -> dict[str, Any]:
+    """``retry``: marked a retry as the SDKs mark theirs (only a retry joins an answer
+    still running)."""
+    headers = {"x-session-id": key, **({"x-stainless-retry-count": "1"} if retry else {})}
+    response = httpx.post(f"{url}/v1/chat/completions", headers=headers,
                           json={"messages": messages, "max_tokens": 8, "temperature": 0,
                                 **extra}, timeout=120)
     assert response.status_code == 200, response.text
@@ -126,7 +130,7 @@ def test_a_retry_on_the_other_replica_joins_the_generation_in_flight(
     thread.start()
     assert headers_seen.wait(30)
     time.sleep(0.5)  # the engine is prefilling the original now
-    retry = chat(replicas[1].url, messages, "retry", max_tokens=16)
+    retry = chat(replicas[1].url, messages, "retry", retry=True, max_tokens=16)
     thread.join(120)
     after = prefilled(engines)
     prompt = first["usage"]["prompt_tokens"]

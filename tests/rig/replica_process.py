@@ -40,15 +40,18 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
                   env: Mapping[str, str] | None = None, port: int | None = None,
                   startup_timeout: float = 60.0,
                   program: Sequence[str] = (sys.executable, "-m", "proxy.cli"),
-                  cwd: Path | None = None) -> ReplicaProcess:
+                  cwd: Path | None = None, operator: bool = True) -> ReplicaProcess:
     """``prefixpin serve`` on a free loopback port (no upstreams: the embedded engine);
     returns once /healthz says every engine answers (or raises with the log's tail).
     ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script;
-    ``cwd`` (default: this repository) another checkout's ``python -m proxy.cli``."""
+    ``cwd`` (default: this repository) another checkout's ``python -m proxy.cli``;
+    ``operator=False`` for a checkout from before the operator listener (its views are on
+    its one port)."""
     port = port or free_port()
-    admin_port = free_port()
-    argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--admin-listen", f"127.0.0.1:{admin_port}"]
+    admin_port = free_port() if operator else port
+    argv = [*program, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if operator:
+        argv += ["--admin-listen", f"127.0.0.1:{admin_port}"]
     for url in upstreams:
         argv += ["--upstream", url]
     if redis is not None:
