@@ -1,0 +1,43 @@
+"""Per-namespace bounds through the app: a namespace that fills its share of the slot
+queue gets a 429 with Retry-After, and another namespace still queues (fake llama-server:
+wire format only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.app.conftest import running_proxy
+
+pytestmark = pytest.mark.anyio
+
+
+def body(key: str) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": f"{key} " + "word " * 40}],
+            "max_tokens": 4}
+
+
+async def test_a_namespace_over_its_queue_share_gets_a_429_and_others_still_queue() -> None:
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1, prefill_s_per_token=0.02, batch=8))
+    # --allow-shared-cache: two namespaces on one fake engine (not what this is about)
+    async with running_proxy(engine, max_queued_per_namespace=1,
+                             allow_shared_cache=True) as (client, _):
+        one = {"authorization": "Bearer tenant-one"}
+        two = {"authorization": "Bearer tenant-two"}
+        running = asyncio.create_task(client.post(
+            "/v1/chat/completions", json=body("a"), headers={**one, "x-session-id": "a"}))
+        await asyncio.sleep(0.2)  # holds the one slot
+        queued = asyncio.create_task(client.post(
+            "/v1/chat/completions", json=body("b"), headers={**one, "x-session-id": "b"}))
+        await asyncio.sleep(0.2)  # waits for the slot: the namespace's one queued request
+        refused = await client.post("/v1/chat/completions", json=body("c"),
+                                    headers={**one, "x-session-id": "c"})
+        other = asyncio.create_task(client.post(
+            "/v1/chat/completions", json=body("d"), headers={**two, "x-session-id": "d"}))
+        answers = await asyncio.gather(running, queued, other)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "queue_full_namespace"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert [a.status_code for a in answers] == [200, 200, 200]
