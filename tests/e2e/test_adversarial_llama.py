@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -105,7 +106,10 @@ def proxy(engine: LlamaServerProcess, **settings: Any) -> Iterator[Rig]:
     for slot in range(2):
         httpx.post(f"{engine.url}/slots/{slot}", params={"action": "erase"}, json={},
                    timeout=30).raise_for_status()
-    apps = create_apps(Settings(upstream=engine.url, health_interval_s=0.5, **settings))
+    # A park index of this proxy's own: no test revives what an earlier test parked.
+    index = Path(tempfile.mkdtemp(prefix="prefixpin-adversarial-index-"))
+    apps = create_apps(Settings(upstream=engine.url, health_interval_s=0.5,
+                                park_index_dir=index, **settings))
     with serve_in_thread(apps.tenant_listener, **http_options()) as url, serve_in_thread(
             apps.operator_listener, **http_options()) as admin:
         yield Rig(url, admin, engine)
@@ -144,6 +148,31 @@ def control(rig: Rig, *, session: str, **kwargs: Any) -> int:
     """B's cached tokens for a wrong guess of the same length: what a fresh conversation of
     B's own sees (its own namespace, the same slot history)."""
     return cached(rig.chat(B_TOKEN, WRONG, "hello", session=session, **kwargs))
+
+
+@contextlib.contextmanager
+def busy_slot(rig: Rig, session: str) -> Iterator[None]:
+    """B's session ``session`` generating a long answer meanwhile (its slot is busy)."""
+    done = threading.Event()
+
+    def generate() -> None:
+        try:
+            rig.chat(B_TOKEN, WRONG, "Write a long story about the sea.", session=session,
+                     extra={"max_tokens": 400, "ignore_eos": True})
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(s.get("is_processing") for s in rig.engine_slots()):
+        assert time.monotonic() < deadline, "b-1 never ran"
+        assert not done.is_set(), "b-1 ended before its slot was seen busy"
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        thread.join(300)
 
 
 def assert_refused(response: httpx.Response, code: str) -> None:
@@ -291,21 +320,20 @@ def test_a_new_session_guessing_a_prompt(engine: LlamaServerProcess) -> None:
             assert_a_still_cached(rig, a)
             return
         on_free_slot = cached(right)
-        # B refreshes its own slot, then a second session must evict A's (the LRU one):
-        # the slot changes namespace with A's KV still in it.
-        cached(rig.chat(B_TOKEN, SECRET, "hello again", session="b-1"))
+        # B keeps its own slot busy (a long answer in b-1), so its next session can only
+        # take A's slot: the slot changes namespace with A's KV still in it.
         a_slot = a_slot_of(rig)
-        on_a_slot = rig.chat(B_TOKEN, SECRET, "hello", session="b-2")
+        with busy_slot(rig, "b-1"):
+            on_a_slot = rig.chat(B_TOKEN, SECRET, "hello", session="b-2")
         on_a_slot_cached = cached(on_a_slot)
         view = httpx.get(f"{rig.admin}/sessions", timeout=30).json()
-        b2 = [s for g in view["namespaces"].values() for s in g if s["key"] == "b-2"]
-        assert b2, view
-        assert b2[0]["slot"] == a_slot, view
+        [mine] = [s for g in view["namespaces"].values() for s in g if s["key"] == "b-2"]
+        assert mine["slot"] == a_slot, view  # the test reached A's slot
     with proxy(engine) as rig:  # the control: the same moves with a wrong guess
         victim(rig)
         free_control = control(rig, session="b-1")
-        cached(rig.chat(B_TOKEN, WRONG, "hello again", session="b-1"))
-        a_slot_control = control(rig, session="b-2")
+        with busy_slot(rig, "b-1"):
+            a_slot_control = control(rig, session="b-2")
     assert on_free_slot <= free_control + SLACK, (on_free_slot, free_control)
     assert on_a_slot_cached <= a_slot_control + SLACK, (on_a_slot_cached, a_slot_control)
 
@@ -343,6 +371,14 @@ def pipeline_body(path: str) -> bytes:
     return httpx.Request("POST", "http://x", json=body).content
 
 
+def wire_aliases(path: str) -> list[tuple[str, bytes, object]]:
+    """The aliases a request line can carry: a space or a tab ends the request target
+    (the HTTP parser reads ``/completion `` as ``/completion``), so those are the path
+    itself on the wire, tested as paths in tests/unit/test_paths.py."""
+    return [(how, raw, expected) for how, raw, expected in aliases(path)
+            if b" " not in raw and b"\t" not in raw]
+
+
 def test_path_aliases_are_the_route_they_mean_or_400(engine: LlamaServerProcess) -> None:
     """Every alias we know how to make (``tests.unit.test_paths.aliases``) of the pipeline
     routes and of /slots/0 and /completion, sent raw over a socket: served by the route it
@@ -359,7 +395,7 @@ def test_path_aliases_are_the_route_they_mean_or_400(engine: LlamaServerProcess)
             query = b"?action=erase" if path.startswith("/slots") else b""
             body = b'{"id_slot": 0, "prompt": "x", "n_predict": 1}'
             seen = outcomes.setdefault(path, {})
-            for how, raw, expected in aliases(path):
+            for how, raw, expected in wire_aliases(path):
                 status, payload = raw_request(rig.url, b"POST", raw + query, body)
                 seen[status] = seen.get(status, 0) + 1
                 assert status < 500, (how, raw, payload)
@@ -372,7 +408,7 @@ def test_path_aliases_are_the_route_they_mean_or_400(engine: LlamaServerProcess)
         for path in PIPELINE:
             body = pipeline_body(path)
             seen = outcomes.setdefault(path, {})
-            for how, raw, expected in aliases(path):
+            for how, raw, expected in wire_aliases(path):
                 status, payload = raw_request(rig.url, b"POST", raw, body)
                 seen[status] = seen.get(status, 0) + 1
                 assert status < 500, (how, raw, payload)
