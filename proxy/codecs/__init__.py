@@ -54,7 +54,7 @@ Adding an API (say Anthropic Messages, ``/v1/messages``; OpenAI Responses,
    registered path, each calling ``router.handle(request, codec)``, which answers errors
    in the codec's shape)
    and add the api to ``serves`` of each engine kind that answers it (``proxy.engines``;
-   on another engine the route is forwarded as it came). ``routes()`` is the table of
+   with no lane of such a kind the route is a 404 ``api_not_served``). ``routes()`` is the table of
    every codec's paths; ``codec_at(path)`` gives the codec of one.
 5. ``tests/unit/test_codecs.py`` checks the registry as it is; add the format's own wire
    tests (its clients' SDKs parse its stream, its whole body, its errors).
