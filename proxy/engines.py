@@ -65,7 +65,7 @@ class EngineKind:
     name: str  # the adapter's name
     sessions_on: SessionsOn
     # The client wire formats (proxy.codecs) this engine serves through the pipeline; a
-    # route of another goes to the engine as it came.
+    # route of a format no lane serves is a 404 (proxy.isolation.ApiNotServedError).
     serves: frozenset[Api] = frozenset({"openai"})
 
 
