@@ -379,14 +379,14 @@ def wire_aliases(path: str) -> list[tuple[str, bytes, object]]:
             if b" " not in raw and b"\t" not in raw]
 
 
+# Path handling does not depend on the engine's flags: run once, on one engine.
+@pytest.mark.parametrize("engine", ["cache-ram-0"], indirect=True)
 def test_path_aliases_are_the_route_they_mean_or_400(engine: LlamaServerProcess) -> None:
     """Every alias we know how to make (``tests.unit.test_paths.aliases``) of the pipeline
     routes and of /slots/0 and /completion, sent raw over a socket: served by the route it
     means with the proxy's guards (the pipeline; a 403 for an operator path) or a 400;
     never a 500, never an engine admin route reached (no slot erased, nothing prefilled
     past the pipeline's own requests)."""
-    if host_cache(engine):
-        pytest.skip("path handling does not depend on the engine's flags: run once")
     outcomes: dict[str, dict[int, int]] = {}
     with proxy(engine) as rig:
         a = victim(rig)
