@@ -6,12 +6,14 @@ tested against the real llama-server in tests/e2e.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import ProxyApps, create_apps
@@ -26,6 +28,14 @@ class ProxyClient(httpx.AsyncClient):
     the same process's operator listener (``/sessions``, ``/metrics``, engine paths)."""
 
     admin: httpx.AsyncClient
+
+
+async def lanes_ready(app: Starlette, timeout_s: float = 10.0) -> None:
+    """Until every lane of the app's router has probed its engine and switched its policies
+    on (the lifespan waits only for the first probe)."""
+    async with asyncio.timeout(timeout_s):
+        while not all(lane.ready for lane in app.state.prefixpin.router.lanes):  # noqa: ASYNC110 (lanes have no event to wait on)
+            await asyncio.sleep(0.02)
 
 
 @asynccontextmanager

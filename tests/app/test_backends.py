@@ -20,7 +20,7 @@ from proxy.app import create_apps
 from proxy.backends import MemoryHomes, rendezvous, session_identity
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from tests.app.conftest import ProxyClient, clients_of
+from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 
 pytestmark = pytest.mark.anyio
 
@@ -52,11 +52,7 @@ async def several(n: int = 3, *, n_slots: int = 2, **settings: Any
     apps = create_apps(config, transports=dict(zip(URLS, switches, strict=False)))
     app = apps.tenant
     async with app.router.lifespan_context(app):
-        for _ in range(100):  # every lane probed and ready
-            router = app.state.prefixpin.router
-            if all(lane.ready for lane in router.lanes):
-                break
-            await asyncio.sleep(0.02)
+        await lanes_ready(app)
         async with clients_of(apps) as client:
             yield client, engines, switches
 

@@ -5,7 +5,6 @@ dedicated to it, its cache stays per slot, or ``--allow-shared-cache`` is given.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +19,7 @@ from proxy.identity import namespace_of
 from proxy.router import Router
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from tests.app.conftest import running_proxy
+from tests.app.conftest import lanes_ready, running_proxy
 from tests.app.test_replicas import replicas
 from tests.ollama.conftest import MODEL, proxy_rig
 from tests.rig.redis_process import RedisProcess, run_redis_server
@@ -118,10 +117,7 @@ async def two_lanes(configs: list[FakeLlamaConfig], **settings: Any
     app = create_app(config, transports={url: StreamingASGITransport(e.app())
                                          for url, e in zip(URLS, engines, strict=True)})
     async with app.router.lifespan_context(app):
-        for _ in range(100):
-            if all(lane.ready for lane in router_of(app).lanes):
-                break
-            await asyncio.sleep(0.02)
+        await lanes_ready(app)
         async with httpx.AsyncClient(transport=StreamingASGITransport(app),
                                      base_url="http://proxy") as client:
             yield client, engines, app

@@ -9,7 +9,6 @@ behaviour against real engines is tested in tests/e2e.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,7 +25,7 @@ from proxy.engines import ENGINES, EngineKind, kind_of, register
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
-from tests.app.conftest import ProxyClient, clients_of
+from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_backends import Switch
 from tests.ollama.conftest import MODELS, instant_sleep
 
@@ -47,12 +46,7 @@ async def mixed(ollama_link: Switch | None = None, **settings: Any
                                 **settings), transports=transports)
     app = apps.tenant
     async with app.router.lifespan_context(app):
-        router = app.state.prefixpin.router
-        for _ in range(200):
-            if all(lane.ready for lane in router.lanes):
-                break
-            await asyncio.sleep(0.02)
-        assert all(lane.ready for lane in router.lanes)
+        await lanes_ready(app)
         async with clients_of(apps, timeout=30) as client:
             yield client, llama, ollama
 
@@ -179,11 +173,8 @@ async def test_an_embedded_lane_behind_the_router_beside_a_llama_server_lane(
     apps = create_apps(config, transports={LLAMA: StreamingASGITransport(llama.app())})
     app = apps.tenant
     async with app.router.lifespan_context(app):
+        await lanes_ready(app, timeout_s=60)
         router = app.state.prefixpin.router
-        for _ in range(500):
-            if all(lane.ready for lane in router.lanes):
-                break
-            await asyncio.sleep(0.02)
         assert [lane.label for lane in router.lanes] == ["llama-a:8080", "embedded"]
         assert router.lanes[1].parking is not None
         async with clients_of(apps, timeout=300) as client:

@@ -20,7 +20,7 @@ from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from tests.app.conftest import ProxyClient, clients_of
+from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = [pytest.mark.anyio,
@@ -94,10 +94,7 @@ async def replicas(redis_url: str, engines: list[FakeLlamaServer], n: int = 2,
             apps = create_apps(config, transports=dict(zip(URLS, watches, strict=False)))
             app = apps.tenant
             await stack.enter_async_context(app.router.lifespan_context(app))
-            for _ in range(100):
-                if all(lane.ready for lane in app.state.prefixpin.router.lanes):
-                    break
-                await asyncio.sleep(0.02)
+            await lanes_ready(app)
             clients.append(await stack.enter_async_context(
                 clients_of(apps, base_url=f"http://replica-{i}")))
         yield clients, watches
