@@ -325,6 +325,10 @@ class EngineFacts:
 
 def read_engine_facts(url: str | None, props: Mapping[str, Any]) -> EngineFacts:
     """The flags of the server at ``url`` (None: do not look) and its model's facts."""
-    flags = local_server_flags(url) if url else None
+    return engine_facts_of(local_server_flags(url) if url else None, props)
+
+
+def engine_facts_of(flags: ServerFlags | None, props: Mapping[str, Any]) -> EngineFacts:
+    """The facts of an engine whose flags were read already (None: not readable here)."""
     model, note = read_model(props, flags)
     return EngineFacts(flags, model, note)

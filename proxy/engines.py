@@ -58,15 +58,21 @@ class LaneContext:
 
 
 SessionsOn = Callable[[LaneContext, Lane, EngineInfo], Awaitable[None]]
+# Why an engine's prompt cache crosses slots, from its flags (None: not readable here) and
+# /props; None when it does not.
+SharedCacheRule = Callable[[ServerFlags | None, Mapping[str, Any]], str | None]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineKind:
     name: str  # the adapter's name
     sessions_on: SessionsOn
+    shared_cache: SharedCacheRule
     # The client wire formats (proxy.codecs) this engine serves through the pipeline; a
     # route of a format no lane serves is a 404 (proxy.isolation.ApiNotServedError).
     serves: frozenset[Api] = frozenset({"openai"})
+    # Its flags are llama-server's, read from its command line when it runs on this host.
+    local_flags: bool = False
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -155,19 +161,27 @@ FLAGS_UNREADABLE = ("assumed shared: llama-server's flags are not readable here 
 
 def shared_cache_reason(adapter_name: str, flags: ServerFlags | None,
                         props: Mapping[str, Any]) -> str | None:
-    """Why this engine's prompt cache crosses slots, or None when it does not.
+    """Why this engine's prompt cache crosses slots, or None when it does not (the rule
+    its kind registered)."""
+    return ENGINES[adapter_name].shared_cache(flags, props)
 
-    - the embedded engine: one ``llama_context`` per slot and no host cache (a slot reuses
-      only its own tokens: ``adapters.embedded.generate``);
-    - Ollama: always;
-    - llama-server: ``--cache-ram`` above 0 (its default) or -1 (no limit) saves a slot
-      about to be overwritten into one RAM cache every slot loads from. Read from its
-      command line when local, else from ``/props.cache_ram`` (MiB) when the engine says
-      it (the test fake does), else assumed shared (the safe default)."""
-    if adapter_name == "embedded":
-        return None
-    if adapter_name == "ollama":
-        return OLLAMA_SHARED
+
+def _no_shared_cache(flags: ServerFlags | None, props: Mapping[str, Any]) -> str | None:
+    """The embedded engine: one ``llama_context`` per slot and no host cache (a slot reuses
+    only its own tokens: ``adapters.embedded.generate``)."""
+    return None
+
+
+def _ollama_shared_cache(flags: ServerFlags | None, props: Mapping[str, Any]) -> str | None:
+    return OLLAMA_SHARED
+
+
+def _llama_server_shared_cache(flags: ServerFlags | None,
+                               props: Mapping[str, Any]) -> str | None:
+    """``--cache-ram`` above 0 (its default) or -1 (no limit) saves a slot about to be
+    overwritten into one RAM cache every slot loads from. Read from its command line when
+    local, else from ``/props.cache_ram`` (MiB) when the engine says it (the test fake
+    does), else assumed shared (the safe default)."""
     if flags is not None:
         cache_ram = flags.number("cache_ram")
         if cache_ram == 0:
@@ -185,32 +199,33 @@ def shared_cache_reason(adapter_name: str, flags: ServerFlags | None,
     return FLAGS_UNREADABLE
 
 
-async def shared_cache_of(lane: Lane, info: EngineInfo, logger: logging.Logger) -> str | None:
-    """The lane's engine as it answers now (its flags read in a thread: /proc, --help)."""
-    name = lane.service.backend.adapter.name
-    flags = None
-    if name == "llama-server" and lane.url is not None:
-        flags = await asyncio.to_thread(local_server_flags, lane.url)
-    reason = shared_cache_reason(name, flags, info.props)
-    if reason is None:
-        log_event(logger, logging.INFO, "prompt cache per slot", upstream=lane.label,
-                  engine=name)
-    else:
-        log_event(logger, logging.WARNING if reason == FLAGS_UNREADABLE else logging.INFO,
-                  "shared prompt cache", upstream=lane.label, engine=name, reason=reason,
-                  hint="a second namespace is refused here unless the backend is dedicated "
-                       "to it (--upstreams-file namespace=) or --allow-shared-cache is given")
-    return reason
-
-
-async def watch_shared_cache(lane: Lane, info: EngineInfo, logger: logging.Logger) -> None:
-    """Set ``lane.shared_cache`` now, and again after each restart (its flags may change)."""
-    lane.shared_cache = await shared_cache_of(lane, info, logger)
+async def read_engine(lane: Lane, info: EngineInfo, logger: logging.Logger) -> None:
+    """What the lane's engine says of itself beyond its probe, read once per engine start
+    (its flags in a thread: /proc, its --help) and shared by the shared-cache gate and
+    parking: ``lane.flags`` and ``lane.shared_cache``; again after each restart (the
+    flags may change)."""
+    await _read_engine(lane, info, logger)
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
-        lane.shared_cache = await shared_cache_of(lane, after, logger)
+        await _read_engine(lane, after, logger)
 
     lane.watch.on_restart.append(restarted)
+
+
+async def _read_engine(lane: Lane, info: EngineInfo, logger: logging.Logger) -> None:
+    kind = kind_of(lane.service.backend.adapter)
+    lane.flags = None
+    if kind.local_flags and lane.url is not None:
+        lane.flags = await asyncio.to_thread(local_server_flags, lane.url)
+    reason = lane.shared_cache = kind.shared_cache(lane.flags, info.props)
+    if reason is None:
+        log_event(logger, logging.INFO, "prompt cache per slot", upstream=lane.label,
+                  engine=kind.name)
+    else:
+        log_event(logger, logging.WARNING if reason == FLAGS_UNREADABLE else logging.INFO,
+                  "shared prompt cache", upstream=lane.label, engine=kind.name, reason=reason,
+                  hint="a second namespace is refused here unless the backend is dedicated "
+                       "to it (--upstreams-file namespace=) or --allow-shared-cache is given")
 
 
 # ------------------------------------------------------------------ policies
@@ -229,7 +244,7 @@ def repairer_for(settings: Settings, fingerprinter: Fingerprinter | None,
     return Repairer(config, counter.count_messages)
 
 
-def _shared(ctx: LaneContext, lane: Lane, planner: Planner,
+def _shared(ctx: LaneContext, planner: Planner,
             refresh: Callable[[], Awaitable[None]] | None = None) -> Planner:
     """With --redis, the planner reads the shared session table before planning and
     writes it at commit."""
@@ -249,7 +264,7 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     shared = ctx.shared
     parking = await open_parking(settings, adapter, info, ctx.store, ctx.metrics, logger,
-                                 lane=lane.label,
+                                 lane=lane.label, flags=lane.flags,
                                  cluster=shared.cluster if shared is not None else None,
                                  shared_sessions=shared.sessions if shared else None)
     on_evict = parking.park if parking is not None else None
@@ -268,7 +283,7 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     planner = AffinityPlanner(ctx.store, pool, ctx.metrics, fingerprinter, logger,
                               repairer_for(settings, fingerprinter, logger),
                               budget_tokens=info.n_ctx_slot or None, parking=parking)
-    service.planner = _shared(ctx, lane, planner, refresh)
+    service.planner = _shared(ctx, planner, refresh)
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
         if shared is not None:
@@ -295,7 +310,7 @@ async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> 
     inner = AffinityPlanner(ctx.store, SlotPool(0), ctx.metrics, fingerprinter, logger,
                             repairer_for(settings, fingerprinter, logger))
     planner = OllamaPlanner(inner, ctx.metrics, logger, lane.label)
-    service.planner, lane.models = _shared(ctx, lane, planner), planner
+    service.planner, lane.models = _shared(ctx, planner), planner
     lane.watch.on_lost.append(planner.engine_lost)
     log_event(logger, logging.INFO, "sessions on", upstream=lane.label, engine="ollama",
               slots="chosen by Ollama", implicit=fingerprinter is not None,
@@ -303,6 +318,8 @@ async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> 
               else "estimated unless Ollama reports them")
 
 
-register(EngineKind("llama-server", slot_sessions_on))
-register(EngineKind("embedded", slot_sessions_on))
-register(EngineKind("ollama", ollama_sessions_on, serves=frozenset({"openai", "ollama"})))
+register(EngineKind("llama-server", slot_sessions_on, _llama_server_shared_cache,
+                    local_flags=True))
+register(EngineKind("embedded", slot_sessions_on, _no_shared_cache))
+register(EngineKind("ollama", ollama_sessions_on, _ollama_shared_cache,
+                    serves=frozenset({"openai", "ollama"})))

@@ -16,6 +16,7 @@ from proxy.watch import EngineWatch
 if TYPE_CHECKING:  # the redis package is only needed with --redis
     from proxy.cluster.core import Cluster
     from proxy.cluster.sessions import SharedSessions
+    from proxy.engine_facts import ServerFlags
     from proxy.ollama import OllamaPlanner
     from proxy.parking import ParkManager
 
@@ -47,8 +48,11 @@ class Lane:
     namespaces: frozenset[str] = frozenset()
     # Why the engine's prompt cache crosses slots (a tenant could then read another's
     # cached prefixes), or None when it does not: known once the engine answers
-    # (``proxy.engines.shared_cache_of``), assumed until then.
+    # (``proxy.engines.read_engine``), assumed until then.
     shared_cache: str | None = NOT_PROBED
+    # The engine's flags from its command line (llama-server on this host), read once per
+    # engine start by ``proxy.engines.read_engine``; None: not readable here.
+    flags: ServerFlags | None = None
 
     @property
     def up(self) -> bool:

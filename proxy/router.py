@@ -34,8 +34,8 @@ from proxy.engines import (
     label_of,
     open_embedded_adapter,
     open_url_adapter,
+    read_engine,
     redetect,
-    watch_shared_cache,
 )
 from proxy.identity import namespace_of
 from proxy.inflight import InFlight
@@ -78,7 +78,7 @@ class Router:
             ctx.shared.cluster.errors if ctx.shared is not None else ())
         self.first_probe = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.owners: CacheOwners = owners or MemoryOwners()
+        self.owners: CacheOwners = owners if owners is not None else MemoryOwners()
 
     # -- the request path -------------------------------------------------------------
 
@@ -182,11 +182,7 @@ class Router:
     async def _place(self, namespace: str, client: ClientRequest,
                      headers: Mapping[str, str], lanes: list[Lane]) -> Choice:
         identity = session_identity(namespace, client.body, headers)
-        try:
-            choice = await self.placer.choose(identity, lanes)
-        except self.errors as exc:
-            self.metrics.requests.labels(client.endpoint, "upstream_error").inc()
-            raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
+        choice = await self.placer.choose(identity, lanes)  # Redis errors: see _serve
         if choice.moved:
             log_event(self.log, logging.WARNING, "session moved", identity=identity,
                       upstream=choice.lane.label, reason=choice.reason)
@@ -274,7 +270,7 @@ class Router:
 
         info = await probe_until_ready(backend, self.metrics, settings.probe_timeout_s,
                                        logger, not_ready)
-        await watch_shared_cache(lane, info, logger)
+        await read_engine(lane, info, logger)
         try:
             if settings.affinity:
                 await kind_of(backend.adapter).sessions_on(self.ctx, lane, info)
@@ -336,15 +332,11 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
     adapters = await _open_adapters(settings, logger, transports or {}, transport,
                                     shared.cluster.replica if shared is not None else None)
     lanes = [_lane(ctx, label, url, adapter, inflight) for label, url, adapter in adapters]
-    if len({lane.label for lane in lanes}) != len(lanes):
+    problem = _lanes_problem(settings, lanes)
+    if problem is not None:
         for _, _, adapter in adapters:
             await adapter.aclose()
-        raise ValueError("two upstreams with the same host:port")
-    stray = set(settings.upstream_namespaces) - {url for _, url, _ in adapters}
-    if stray:
-        for _, _, adapter in adapters:
-            await adapter.aclose()
-        raise ValueError(f"namespaces given for backends that are not upstreams: {sorted(stray)}")
+        raise ValueError(problem)
     router = Router(ctx, lanes, Placer(settings, homes), inflight, owners)
     router.start()
     return router
@@ -365,6 +357,15 @@ async def _open_adapters(settings: Settings, logger: logging.Logger,
         return label_of(url), url, await open_url_adapter(settings, http, logger)
 
     return list(await asyncio.gather(*(one(url) for url in urls)))
+
+
+def _lanes_problem(settings: Settings, lanes: list[Lane]) -> str | None:
+    if len({lane.label for lane in lanes}) != len(lanes):
+        return "two upstreams with the same host:port"
+    stray = set(settings.upstream_namespaces) - {lane.url for lane in lanes}
+    if stray:
+        return f"namespaces given for backends that are not upstreams: {sorted(stray)}"
+    return None
 
 
 def _embedded_label(replica: str | None) -> str:

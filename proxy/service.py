@@ -385,9 +385,9 @@ class ProxyService:
 
 
 def request_key(incoming: Incoming) -> bytes:
-    """The in-flight key: another wire format or path is another answer (``/completions``
-    and ``/v1/completions`` share a codec but not a format), another session another
-    history to record; neither is ever joined."""
+    """The in-flight key: another wire format (codec) or engine path is another answer,
+    another session another history to record; neither is ever joined. (Every route of a
+    codec asks the engine on one path: ``/completions`` joins ``/v1/completions``.)"""
     client = incoming.client
     identity = explicit_identity(client.body, incoming.headers)
     session = None if identity is None else f"{identity.key}\0{identity.parent or ''}"

@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
-import httpx
 
 from adapters.base import Adapter, EngineInfo
 from core.errors import ProxyError
+from proxy.engine_facts import ServerFlags
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.parking.index import (
@@ -67,7 +67,7 @@ from proxy.parking.index import (
     SqliteParkIndex,
     scope_of,
 )
-from proxy.parking.limits import EngineLimits, engine_limits
+from proxy.parking.limits import EngineLimits, engine_limits, limits_from
 from proxy.parking.manager import (
     ParkConfig,
     ParkManager,
@@ -109,10 +109,12 @@ DEFAULT_INDEX_ROOT = Path.home() / ".cache" / "prefixpin" / "park-index"
 
 async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
                        store: SessionStore, metrics: Metrics, logger: logging.Logger, *,
-                       lane: str, cluster: Cluster | None = None,
+                       lane: str, flags: ServerFlags | None = None,
+                       cluster: Cluster | None = None,
                        shared_sessions: SharedSessions | None = None) -> ParkManager | None:
-    """Parking for one lane (``lane``: its label, e.g. ``127.0.0.1:8081``) on, or off with
-    one log line saying why. With ``cluster`` the index is Redis (shared by replicas; the
+    """Parking for one lane (``lane``: its label, e.g. ``127.0.0.1:8081``; ``flags``: its
+    engine's, as the lane read them: None when not readable here) on, or off with one log
+    line saying why. With ``cluster`` the index is Redis (shared by replicas; the
     embedded engine, private to this process, keeps a sqlite index), and with
     ``shared_sessions`` an evicted session another replica committed is read from Redis."""
     def off(reason: str) -> None:
@@ -127,8 +129,7 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
     if not info.slot_save_path:
         off("the engine has no --slot-save-path")
         return None
-    url = _engine_url(settings, lane)
-    limits = await asyncio.to_thread(engine_limits, settings, info, url)
+    limits = await asyncio.to_thread(limits_from, info, flags)
     if limits.restores_reprocessed and limits.flags_known:
         off(f"the model uses {limits.memory} and llama-server runs without --swa-full: it "
             "re-processes a restored slot from the first token (a restore clears the context "
@@ -191,15 +192,6 @@ def index_dir(settings: Settings, info: EngineInfo, files_dir: Path) -> Path:
         return files_dir.parent
     name = blake3.blake3(str(files_dir.resolve()).encode()).hexdigest()[:16]
     return DEFAULT_INDEX_ROOT / name
-
-
-def _engine_url(settings: Settings, lane: str) -> str | None:
-    """The configured URL of the engine labelled ``lane`` (its flags are read from /proc
-    when it runs on this host)."""
-    for url in settings.backend_urls():
-        if httpx.URL(url).netloc.decode() == lane or url == lane:
-            return url
-    return settings.upstream
 
 
 def _files_dir(settings: Settings, info: EngineInfo,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.base import EngineInfo
-from proxy.engine_facts import read_engine_facts
+from proxy.engine_facts import ServerFlags, engine_facts_of, local_server_flags
 from proxy.settings import Settings
 
 
@@ -84,9 +84,17 @@ def engine_limits(settings: Settings, info: EngineInfo, url: str | None = None) 
     """Sliding window, recurrent memory and the RAM cache of the engine at ``url`` (default
     ``settings.upstream``): from its command line and GGUF when this host can read them
     (blocking: run it in a thread)."""
+    target = url or settings.upstream
+    flags = local_server_flags(target) if target and info.engine != "embedded" else None
+    return limits_from(info, flags)
+
+
+def limits_from(info: EngineInfo, flags: ServerFlags | None) -> EngineLimits:
+    """The same, from flags read already (None: not readable here); the GGUF is read here
+    (blocking: run it in a thread)."""
     if info.engine == "embedded":
         return EngineLimits(source="embedded engine (full-size SWA cache, no RAM cache)")
-    facts = read_engine_facts(url or settings.upstream, info.props)
+    facts = engine_facts_of(flags, info.props)
     window, recurrent, source = info.n_swa, False, "engine probe"
     if facts.model is not None:
         window, recurrent = facts.model.sliding_window, facts.model.recurrent

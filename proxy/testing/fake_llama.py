@@ -53,7 +53,7 @@ class FakeLlamaConfig:
     sequence: bool = False  # every JSON event carries "seq", its index in the stream
     # The --cache-ram this fake declares in /props (``cache_ram``, MiB): 0 says its prompt
     # cache stays per slot. None: not declared, and the proxy assumes a shared host cache
-    # (its flags are not readable: proxy.engines.shared_cache_reason).
+    # (its flags are not readable: proxy.engines.read_engine).
     cache_ram: int | None = None
 
 

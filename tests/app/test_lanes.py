@@ -56,7 +56,8 @@ def test_every_adapter_has_one_registered_kind() -> None:
     assert kind_of(LlamaServerAdapter(httpx.AsyncClient())).name == "llama-server"
     assert kind_of(OllamaAdapter(httpx.AsyncClient())).name == "ollama"
     with pytest.raises(ValueError, match="registered twice"):
-        register(EngineKind("ollama", ENGINES["ollama"].sessions_on))
+        register(EngineKind("ollama", ENGINES["ollama"].sessions_on,
+                            ENGINES["ollama"].shared_cache))
 
 
 async def test_a_single_engine_is_a_router_with_one_lane() -> None:
