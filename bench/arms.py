@@ -104,3 +104,13 @@ def rep_order(arms: list[Arm], rep: int) -> list[Arm]:
     return arms[shift:] + arms[:shift]
 
 
+
+
+def check_arms_with_alone(parser: argparse.ArgumentParser, given: str,
+                          known: tuple[str, ...] | list[str]) -> None:
+    """``--arms``: only ``known`` arms, and ``alone`` among them (the sessions run one at
+    a time: what the other arms are measured against)."""
+    chosen = given.split(",")
+    if set(chosen) - set(known) or "alone" not in chosen:
+        parser.error(f"--arms needs 'alone' (the reference) and only {list(known)}; "
+                     f"got {given}")

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench.arms import TEMPLATES
+from bench.arms import TEMPLATES, check_arms_with_alone
 from bench.clients.base import Request
 from bench.clients.interleaved import InterleavedClient
 from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_argv
@@ -86,9 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the work directory (process logs, slot files)")
     args = parser.parse_args(argv)
-    unknown = set(args.arms.split(",")) - set(ARMS)
-    if unknown or "alone" not in args.arms.split(","):
-        parser.error(f"--arms needs 'alone' (the baseline) and only {ARMS}; got {args.arms}")
+    check_arms_with_alone(parser, args.arms, ARMS)
     return args
 
 

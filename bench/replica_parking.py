@@ -66,6 +66,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
+from bench.arms import check_arms_with_alone
 from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
 from bench.trees import Tree
 from tests.e2e.helpers import filler
@@ -134,9 +135,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the work directory (process logs, slot files)")
     args = parser.parse_args(argv)
-    unknown = set(args.arms.split(",")) - set(ARMS)
-    if unknown or "alone" not in args.arms.split(","):
-        parser.error(f"--arms needs 'alone' (the reference) and only {ARMS}; got {args.arms}")
+    check_arms_with_alone(parser, args.arms, ARMS)
     return args
 
 
