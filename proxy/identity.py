@@ -6,14 +6,23 @@ token itself never leaves this module.
 
 Explicit session identity, in this precedence (body before headers; first match wins):
 
-    body    session_id, prompt_cache_key, user, metadata.user_id ("..._session_<id>")
-    header  x-session-id, x-session-affinity, session_id, x-litellm-session-id
+    body    session_id, prompt_cache_key, user, metadata.user_id
+    header  x-session-id, x-session-affinity, session_id, x-litellm-session-id,
+            x-claude-code-session-id, session-id, thread-id
+
+Who sends which: OpenCode the ``x-session-affinity``/``x-session-id`` headers; Codex
+``prompt_cache_key`` (the session id, also in its ``session-id`` and ``thread-id``
+headers); Claude Code ``metadata.user_id`` (a JSON string whose ``session_id`` is the
+``X-Claude-Code-Session-Id`` header's value; older versions sent
+``user_<hash>_account_<uuid>_session_<uuid>``). The Anthropic and Responses codecs keep
+these body fields in the chat body they convert to, so the one lookup here serves all.
 
 ``x-parent-session-id`` marks a sub-agent of the named parent session.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,10 +34,11 @@ ANONYMOUS = "anon"
 MAX_KEY_CHARS = 256
 
 BODY_KEYS = ("session_id", "prompt_cache_key", "user")
-HEADER_KEYS = ("x-session-id", "x-session-affinity", "session_id", "x-litellm-session-id")
+HEADER_KEYS = ("x-session-id", "x-session-affinity", "session_id", "x-litellm-session-id",
+               "x-claude-code-session-id", "session-id", "thread-id")
 PARENT_HEADER = "x-parent-session-id"
 
-# Claude Code sends metadata.user_id = "user_<hash>_account_<uuid>_session_<uuid>".
+# Claude Code before 2.1 sent metadata.user_id = "user_<hash>_account_<uuid>_session_<uuid>".
 _CLAUDE_SESSION = re.compile(r"_session_([0-9A-Za-z-]+)$")
 
 
@@ -69,9 +79,21 @@ def explicit_identity(body: Mapping[str, Any],
 
 
 def _claude_code_session(value: object) -> str | None:
+    """The session in Claude Code's ``metadata.user_id``: its JSON form's ``session_id``
+    (the device id beside it names a machine, not a conversation), its older underscore
+    form's ``_session_<id>``, else the whole value."""
     text = _clean(value)
     if text is None:
         return None
+    if text.startswith("{"):
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            fields = None
+        if isinstance(fields, Mapping):
+            session = _clean(fields.get("session_id"))
+            if session is not None:
+                return session
     match = _CLAUDE_SESSION.search(text)
     return match.group(1) if match else text
 

@@ -18,6 +18,9 @@ back into the session's committed one, message by message, by named policies:
     volatile      system text whose only change is a volatile value (dates, times, the
                   Claude Code billing line, request nonces): the first value is kept
     tools         the same tool set in another order or key order
+    reminders     a user message whose only change is in its ``<system-reminder>`` blocks
+                  (Claude Code adds, drops and moves them between turns): the committed
+                  message is kept
 
 Rules. A policy only ever restores bytes this same session forwarded before (the
 committed history, or the reply the proxy returned to it), only at a message whose
@@ -38,7 +41,8 @@ from typing import Any
 
 from proxy.history import canonical, digest
 
-POLICIES = ("reasoning", "tool_calls", "tool_results", "window", "volatile", "tools")
+POLICIES = ("reasoning", "tool_calls", "tool_results", "window", "volatile", "tools",
+            "reminders")
 TRIM_CHARS = 400
 TRIM_MARK = "\n[... trimmed by prefixpin to fit the context]"
 
@@ -186,6 +190,10 @@ class Repairer:
         if volatile and canonical(self._blank_volatile(old)) == canonical(
                 self._blank_volatile(new)):
             return [("volatile", "volatile values pinned to the session's first")]
+        if role == "user" and "reminders" in self.config.enabled and _has_reminder(
+                old, new) and canonical(_without_reminders(old)) == canonical(
+                _without_reminders(new)):
+            return [("reminders", "kept the <system-reminder> blocks as committed")]
         return []
 
     def _explain_assistant(self, old: Message, new: Message) -> list[tuple[str, str]]:
@@ -321,6 +329,31 @@ def _turn_starts(messages: Sequence[Message]) -> list[int]:
 
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>\s*", re.DOTALL)
+
+
+def _has_reminder(*messages: Message) -> bool:
+    return any("<system-reminder>" in _text(m.get("content")) for m in messages)
+
+
+def _without_reminders(message: Message) -> Message:
+    """The message with every ``<system-reminder>`` block cut out of its text, and the
+    content parts left empty by that dropped (Claude Code sends a reminder as a part of
+    its own)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": _REMINDER.sub("", content)}
+    if not isinstance(content, list):
+        return message
+    parts: list[Any] = []
+    for part in content:
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            text = _REMINDER.sub("", part["text"])
+            if not text.strip():
+                continue
+            part = {**part, "text": text}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def _text(content: object) -> str:

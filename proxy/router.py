@@ -87,7 +87,7 @@ class Router:
         errors included."""
         try:
             lanes = [lane for lane in self.lanes
-                     if codec.api in kind_of(lane.service.backend.adapter).serves]
+                     if codec.engine_api in kind_of(lane.service.backend.adapter).serves]
             if not lanes:  # never forwarded: see ApiNotServedError
                 raise ApiNotServedError(f"{request.method} {request.url.path}: no engine "
                                         f"behind this port serves the {codec.api} API")

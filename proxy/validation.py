@@ -24,7 +24,10 @@ from starlette.requests import ClientDisconnect
 from core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
 Endpoint = Literal["chat", "completions"]
-Api = Literal["openai", "ollama"]  # the wire format a client speaks (ollama: /api/chat, ...)
+# The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;
+# responses: /v1/responses). The last two are read into an OpenAI chat body (their codecs
+# convert), so everything after parsing sees one conversation shape.
+Api = Literal["openai", "ollama", "anthropic", "responses"]
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -83,6 +86,10 @@ class ClientRequest:
     # Ollama's model load or unload request (no messages, an empty prompt): forwarded as it
     # came, its body unchecked, never generated from.
     lifecycle: bool = False
+    # The client's own body when ``body`` is a conversion of it (Anthropic Messages and
+    # OpenAI Responses become a chat body): what the codec answers from (model, ids, the
+    # fields a Responses object echoes). None when ``body`` is the client's own.
+    source: dict[str, Any] | None = None
 
 
 async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,

@@ -48,6 +48,10 @@ class Codec(Protocol):
 
     name: str  # unique; also the in-flight namespace: another wire format is another answer
     api: Api
+    # The API the engine is asked in: ``api`` itself for a format the engine speaks, "openai"
+    # for a format the codec converts to chat completions (Anthropic Messages, Responses).
+    # A lane serves the codec when its engine kind serves this API (proxy.engines).
+    engine_api: Api
     endpoint: Endpoint
     routes: tuple[str, ...]  # the client paths answered in this format
     media_type: str  # of the streamed answer

@@ -49,6 +49,7 @@ class OllamaCodec:
     (``/api/generate``). Stateless: its own stream encoder, shared by every client."""
 
     api: Api = "ollama"
+    engine_api: Api = "ollama"
     media_type = NDJSON_MEDIA_TYPE
     headers: Mapping[str, str] = NDJSON_HEADERS
     opening = KEEPALIVE

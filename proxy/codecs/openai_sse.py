@@ -43,6 +43,7 @@ class OpenAICodec:
     """OpenAI SSE, for ``endpoint`` "chat" (chat completions) or "completions"."""
 
     api: Api = "openai"
+    engine_api: Api = "openai"
     media_type = SSE_MEDIA_TYPE
     headers: Mapping[str, str] = SSE_HEADERS
     opening = OPENING
