@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     repair_window: bool = True
     repair_volatile: bool = True
     repair_tools: bool = True
+    repair_reminders: bool = True
     repair_volatile_rules: list[str] = Field(default_factory=list,
                                              description="Extra volatile regexes (JSON list)")
     repair_budget: float = Field(0.85, gt=0, le=1, description="Share of per-slot context")
@@ -159,7 +160,8 @@ class Settings(BaseSettings):
     def repair_switches(self) -> dict[str, bool]:
         return {"reasoning": self.repair_reasoning, "tool_calls": self.repair_tool_calls,
                 "tool_results": self.repair_tool_results, "window": self.repair_window,
-                "volatile": self.repair_volatile, "tools": self.repair_tools}
+                "volatile": self.repair_volatile, "tools": self.repair_tools,
+                "reminders": self.repair_reminders}
 
     def backend_urls(self) -> list[str]:
         """Every engine base URL, ``upstream`` first, each once."""
