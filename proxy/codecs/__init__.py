@@ -64,9 +64,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from proxy.codecs.anthropic import AnthropicCodec
 from proxy.codecs.base import Codec, StreamEncoder
 from proxy.codecs.ollama_ndjson import OllamaCodec
 from proxy.codecs.openai_sse import OpenAICodec
+from proxy.codecs.responses import ResponsesCodec
 from proxy.validation import Api, ClientRequest, Endpoint
 
 __all__ = ["Codec", "StreamEncoder", "codec_at", "codec_for", "codec_of", "codecs",
@@ -99,6 +101,10 @@ OPENAI_CHAT = register(OpenAICodec("chat", ("/v1/chat/completions", "/chat/compl
 OPENAI_COMPLETIONS = register(OpenAICodec("completions", ("/v1/completions", "/completions")))
 OLLAMA_CHAT = register(OllamaCodec("chat", ("/api/chat",)))
 OLLAMA_GENERATE = register(OllamaCodec("completions", ("/api/generate",)))
+# Converted to chat completions on the way in, and their answers from the engine's chat
+# stream on the way out: any lane that serves OpenAI chat serves them.
+ANTHROPIC_MESSAGES = register(AnthropicCodec())
+OPENAI_RESPONSES = register(ResponsesCodec())
 
 
 def codecs() -> tuple[Codec, ...]:
