@@ -50,13 +50,20 @@ class ExplicitIdentity:
 
 
 def namespace_of(headers: Mapping[str, str]) -> str:
-    """The tenant namespace: a 16-hex-digit blake3 of the bearer token, else anonymous."""
-    authorization = headers.get("authorization", "")
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    """The tenant namespace: a 16-hex-digit blake3 of the client's key, else anonymous.
+
+    The key is the bearer token (OpenAI clients, Codex), else the ``x-api-key`` header
+    (Anthropic clients: the SDK and Claude Code send their key there); the same key in
+    either header is the same tenant."""
+    token = _bearer(headers.get("authorization", "")) or headers.get("x-api-key", "").strip()
+    if not token:
         return ANONYMOUS
     return "t-" + blake3.blake3(token.encode()).hexdigest()[:16]
+
+
+def _bearer(authorization: str) -> str:
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def explicit_identity(body: Mapping[str, Any],

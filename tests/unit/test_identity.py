@@ -17,8 +17,17 @@ def test_namespace_is_a_hash_of_the_bearer_token_and_never_the_token() -> None:
     assert namespace_of({"authorization": "Bearer sk-secret-one"}) == first
 
 
+def test_an_anthropic_x_api_key_is_the_same_tenant_as_that_bearer_token() -> None:
+    """Anthropic clients send their key in x-api-key: the same key is the same namespace
+    in either header, and a bearer token wins when both are sent."""
+    bearer = namespace_of({"authorization": "Bearer sk-one"})
+    assert namespace_of({"x-api-key": "sk-one"}) == bearer
+    assert namespace_of({"x-api-key": "sk-two"}) not in (bearer, ANONYMOUS)
+    assert namespace_of({"authorization": "Bearer sk-one", "x-api-key": "sk-two"}) == bearer
+
+
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Basic abc"},
-                                     {"authorization": "Bearer "}])
+                                     {"authorization": "Bearer "}, {"x-api-key": "  "}])
 def test_no_bearer_token_is_the_anonymous_namespace(headers: dict[str, str]) -> None:
     """Without a bearer token every request shares one anonymous namespace."""
     assert namespace_of(headers) == ANONYMOUS
@@ -35,7 +44,16 @@ def test_no_bearer_token_is_the_anonymous_namespace(headers: dict[str, str]) -> 
     ({}, {"x-session-id": "h1", "x-session-affinity": "h2"}, "h1", "header.x-session-id"),
     ({}, {"x-session-affinity": "h2", "session_id": "h3"}, "h2", "header.x-session-affinity"),
     ({}, {"session_id": "h3", "x-litellm-session-id": "h4"}, "h3", "header.session_id"),
-    ({}, {"x-litellm-session-id": "h4"}, "h4", "header.x-litellm-session-id"),
+    ({}, {"x-litellm-session-id": "h4", "x-claude-code-session-id": "h5"}, "h4",
+     "header.x-litellm-session-id"),
+    ({"metadata": {"user_id": '{"device_id":"d1","account_uuid":"","session_id":"s-9"}'}},
+     {"x-claude-code-session-id": "s-9"}, "s-9", "body.metadata.user_id"),
+    ({"metadata": {"user_id": '{"device_id":"d1"}'}}, {}, '{"device_id":"d1"}',
+     "body.metadata.user_id"),
+    ({}, {"x-claude-code-session-id": "h5", "session-id": "h6"}, "h5",
+     "header.x-claude-code-session-id"),
+    ({}, {"session-id": "h6", "thread-id": "h7"}, "h6", "header.session-id"),
+    ({}, {"thread-id": "h7"}, "h7", "header.thread-id"),
 ])
 def test_explicit_keys_follow_the_documented_precedence(
         body: dict[str, object], headers: dict[str, str], key: str, source: str) -> None:

@@ -170,3 +170,52 @@ def test_over_budget_tool_results_are_trimmed_before_a_pinned_cut() -> None:
     assert not second.cut_moved
     assert memory.cut == 5
     assert decide(committed, second.body).extends
+
+
+REMINDED: Message = {"role": "user", "content": [
+    {"type": "text", "text": "<system-reminder>\nAs you answer, use the tools.\n"
+                             "</system-reminder>\n"},
+    {"type": "text", "text": "Fix parse.py"}]}
+
+
+def _claude_history(first_user: Message) -> dict[str, Any]:
+    return {"messages": [SYSTEM, first_user, REPLY, USER2]}
+
+
+@pytest.mark.parametrize("moved", [
+    {"role": "user", "content": [{"type": "text", "text": "Fix parse.py"}]},  # dropped
+    {"role": "user", "content": [  # another reminder in its place
+        {"type": "text", "text": "<system-reminder>\nToday's todo list is empty.\n"
+                                 "</system-reminder>\n"},
+        {"type": "text", "text": "Fix parse.py"}]},
+    {"role": "user", "content": [  # moved after the prompt
+        {"type": "text", "text": "Fix parse.py"},
+        {"type": "text", "text": "<system-reminder>\nAs you answer, use the tools.\n"
+                                 "</system-reminder>\n"}]},
+])
+def test_moved_system_reminders_keep_the_committed_user_message(moved: Message) -> None:
+    """Claude Code adds, drops and moves <system-reminder> blocks in earlier user turns:
+    the committed message is kept, by the reminders policy and only with it on."""
+    committed_body = _claude_history(REMINDED)
+    committed = Committed.of_chat(committed_body)
+    incoming = {"messages": [SYSTEM, moved, REPLY, USER2, REPLY]}
+    result = repairer().repair(committed.messages, committed_body, incoming, RepairMemory(),
+                               None)
+    assert [a.policy for a in result.applied] == ["reminders"]
+    assert decide(committed, result.body).extends
+    off = repairer(*(p for p in POLICIES if p != "reminders")).repair(
+        committed.messages, committed_body, incoming, RepairMemory(), None)
+    assert not decide(committed, off.body).resumable
+
+
+def test_a_changed_prompt_beside_a_reminder_is_not_repaired() -> None:
+    """Only the reminder blocks may differ: an edited prompt is a real edit."""
+    committed_body = _claude_history(REMINDED)
+    committed = Committed.of_chat(committed_body)
+    edited = {"role": "user", "content": [REMINDED["content"][0],
+                                          {"type": "text", "text": "Fix lex.py"}]}
+    result = repairer().repair(committed.messages, committed_body,
+                               {"messages": [SYSTEM, edited, REPLY, USER2]}, RepairMemory(),
+                               None)
+    assert not result.applied
+    assert not decide(committed, result.body).resumable
