@@ -90,6 +90,7 @@ class AffinityPlanner:
         digests = [digest(m) for m in client.body.get("messages") or []]
         decision = await self._decide(client, namespace, identity, backend, digests)
         session = decision.session
+        session.api = client.api
         self._observe(decision, backend.label)
         body = dict(decision.body if decision.body is not None else client.body)
         preferred = self.pool.holder_of(session.id)

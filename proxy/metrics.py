@@ -1,6 +1,7 @@
 """Prometheus figures, on a registry the app owns (never the global one).
 
-Label values are bounded: endpoint and outcome come from fixed sets, upstream is the
+Label values are bounded: endpoint, outcome and api (the client's wire format:
+openai, ollama, anthropic, responses, llama) come from fixed sets, upstream is the
 configured backend label, slot is an engine slot index, source is ``measured`` (the
 engine's own cached count) or ``estimated`` (the proxy's estimate from its record of the
 session, for an engine that reports none: Ollama before 0.33.3).
@@ -24,8 +25,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("prefixpin_requests", "Requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
+        self.requests = Counter("prefixpin_requests", "Requests by endpoint, outcome and the "
+                                "client's wire format (api)", ["endpoint", "outcome", "api"],
+                                registry=r)
         self.prompt_tokens = Histogram("prefixpin_prompt_tokens", "Prompt tokens per request",
                                        ["upstream"], buckets=TOKEN_BUCKETS, registry=r)
         self.cached_tokens = Histogram("prefixpin_cached_tokens",
@@ -35,12 +37,13 @@ class Metrics:
                                        registry=r)
         self.cached_fraction = Histogram("prefixpin_cached_fraction",
                                          "Cached tokens / prompt tokens per request "
-                                         "(source: measured by the engine, or estimated)",
-                                         ["upstream", "source"], buckets=FRACTION_BUCKETS,
+                                         "(source: measured by the engine, or estimated; "
+                                         "api: the client's wire format)",
+                                         ["upstream", "source", "api"], buckets=FRACTION_BUCKETS,
                                          registry=r)
         self.ttft = Histogram("prefixpin_ttft_seconds",
                               "Request arrival to first generated output",
-                              ["endpoint"], buckets=SECONDS_BUCKETS, registry=r)
+                              ["endpoint", "api"], buckets=SECONDS_BUCKETS, registry=r)
         self.prefill = Histogram("prefixpin_prefill_seconds",
                                  "Engine prompt processing time (timings.prompt_ms)",
                                  ["upstream"], buckets=SECONDS_BUCKETS, registry=r)
@@ -56,7 +59,7 @@ class Metrics:
                                  ["upstream"], registry=r)
         self.joins = Counter("prefixpin_inflight_joins",
                              "Requests that joined an identical generation already running",
-                             ["endpoint"], registry=r)
+                             ["endpoint", "api"], registry=r)
         self.repairs = Counter("prefixpin_repairs",
                                "History repairs applied, by policy", ["policy"], registry=r)
         self.queue_wait = Histogram("prefixpin_queue_wait_seconds",

@@ -29,6 +29,8 @@ HOP_BY_HOP = frozenset({
 TENANT_PATHS: dict[str, str] = {
     "/v1/models": "GET", "/models": "GET", "/health": "GET", "/props": "GET",
     "/tokenize": "POST", "/detokenize": "POST", "/apply-template": "POST",
+    # Anthropic's token counter (llama-server renders and tokenizes; nothing is generated)
+    "/v1/messages/count_tokens": "POST",
     "/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET",
 }
 

@@ -110,7 +110,7 @@ class Router:
             return raw, codec.parse(raw, request.url.path,
                                     max_messages=self.settings.max_messages)
         except ProxyError:
-            self.metrics.requests.labels(codec.endpoint, "client_error").inc()
+            self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
             raise
 
     async def _serve(self, request: Request, client: ClientRequest,
@@ -131,10 +131,10 @@ class Router:
                 if not lanes:
                     raise refusal(namespace, [(lane.label, lane.shared_cache or "")])
         except self.errors as exc:
-            self.metrics.requests.labels(client.endpoint, "upstream_error").inc()
+            self.metrics.requests.labels(client.endpoint, "upstream_error", client.api).inc()
             raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
         except ProxyError:
-            self.metrics.requests.labels(client.endpoint, "client_error").inc()
+            self.metrics.requests.labels(client.endpoint, "client_error", client.api).inc()
             raise
         incoming = Incoming(client, request.headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)

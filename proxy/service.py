@@ -49,7 +49,9 @@ from proxy.validation import ClientRequest
 # a prefix break: the engine re-read a conversation it already held.
 PREFIX_BREAK_SLACK = 256
 
-FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent")
+# A client's request headers that reach the engine: its credentials (llama-server's
+# --api-key takes `Authorization: Bearer` or, Anthropic's way, `X-Api-Key`) and its tracing.
+FORWARDED_HEADERS = ("authorization", "x-api-key", "x-request-id", "traceparent")
 
 # For an engine that reports no cached count (Ollama before 0.33.3): a function from the
 # request's figures to the planner's estimate. An estimate goes to the metrics labelled
@@ -206,7 +208,7 @@ class ProxyService:
                 self.inflight.release(key, reservation)
                 raise
         except ProxyError as exc:
-            self.metrics.requests.labels(client.endpoint, _outcome(exc)).inc()
+            self.metrics.requests.labels(client.endpoint, _outcome(exc), client.api).inc()
             raise
         plan.headers = {**_forwarded_headers(incoming.headers), **plan.headers}
         generation = self._start(plan, client, arrival, incoming.namespace)
@@ -222,8 +224,9 @@ class ProxyService:
     async def _join(self, request: Request, client: ClientRequest, generation: Generation,
                     arrival: float) -> Response:
         """Attach to the identical generation already running: no second engine request."""
-        self.metrics.joins.labels(client.endpoint).inc()
-        log_event(self.log, logging.INFO, "joined in flight", endpoint=client.endpoint,
+        self.metrics.joins.labels(client.endpoint, client.api).inc()
+        log_event(self.log, logging.INFO, "joined in flight", api=client.api,
+                  endpoint=client.endpoint,
                   stream=client.stream, frames_so_far=len(generation.frames))
         return await respond(
             request, client, generation, arrival=arrival,
@@ -300,18 +303,18 @@ class ProxyService:
         outcome = _generation_outcome(generation)
         if isinstance(generation.error, UpstreamUnavailableError) and self.on_upstream_lost:
             self.on_upstream_lost()
-        self.metrics.requests.labels(client.endpoint, outcome).inc()
+        self.metrics.requests.labels(client.endpoint, outcome, client.api).inc()
         estimated = _estimated_cached(plan, figures) if outcome == "ok" else None
         if estimated is not None:
             plan.notes["cached_tokens_estimated"] = estimated
         if figures.load_ms is not None:
             plan.notes["load_ms"] = round(figures.load_ms, 1)
         if figures.prompt_tokens is not None and outcome == "ok":
-            self._observe_cache(self.backend.label, figures, estimated)
+            self._observe_cache(self.backend.label, client.api, figures, estimated)
         timeline = generation.timeline
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
-            self.metrics.ttft.labels(client.endpoint).observe(ttft)
+            self.metrics.ttft.labels(client.endpoint, client.api).observe(ttft)
         reply = codec_of(client).reply(generation.frames) if outcome == "ok" else None
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
                                           round(ttft * 1000, 1) if ttft is not None else None,
@@ -352,8 +355,8 @@ class ProxyService:
                 figures.cached_tokens or 0)
             shortfall = self.ledger.record(upstream, slot, figures)
         fields: dict[str, Any] = {
-            "endpoint": record.client.endpoint, "outcome": record.outcome,
-            "upstream": upstream, "slot": slot, "session": plan.session,
+            "api": record.client.api, "endpoint": record.client.endpoint,
+            "outcome": record.outcome, "upstream": upstream, "slot": slot, "session": plan.session,
             "stream": record.client.stream, "prompt_tokens": figures.prompt_tokens,
             "cached_tokens": figures.cached_tokens,
             "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
@@ -368,7 +371,8 @@ class ProxyService:
                       session=plan.session, shortfall=shortfall,
                       cached_tokens=figures.cached_tokens, prompt_tokens=figures.prompt_tokens)
 
-    def _observe_cache(self, upstream: str, figures: Figures, estimated: int | None) -> None:
+    def _observe_cache(self, upstream: str, api: str, figures: Figures,
+                       estimated: int | None) -> None:
         """Cached tokens labelled by source: the engine's own count, else the planner's
         estimate; neither known, no cached figure at all (an unknown is not a 0)."""
         self.metrics.prompt_tokens.labels(upstream).observe(figures.prompt_tokens or 0)
@@ -378,7 +382,7 @@ class ProxyService:
         if cached is not None:
             self.metrics.cached_tokens.labels(upstream, source).observe(cached)
             if figures.prompt_tokens:
-                self.metrics.cached_fraction.labels(upstream, source).observe(
+                self.metrics.cached_fraction.labels(upstream, source, api).observe(
                     cached / figures.prompt_tokens)
         if figures.prompt_ms is not None:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)

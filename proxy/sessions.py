@@ -65,11 +65,12 @@ class Session:
     repair: RepairMemory = field(default_factory=RepairMemory)
     engine_cache: EngineCache = field(default_factory=EngineCache)
     shared_version: int = 0  # with --redis: the version of the shared record last seen
+    api: str = "openai"  # the wire format of its last request (the /sessions view, by API)
 
     def view(self) -> dict[str, Any]:
         return {
             "id": self.id, "key": self.key, "kind": self.kind, "parent": self.parent,
-            "slot": self.slot, "backend": self.backend,
+            "api": self.api, "slot": self.slot, "backend": self.backend,
             "committed_messages": len(self.committed.messages) if self.committed else 0,
             "committed_tokens": self.prompt_tokens,
             "last_decision": self.last_decision, "last_reason": self.last_reason,

@@ -62,7 +62,8 @@ function renderSessions(namespaces) {
     for (const s of namespaces[ns]) {
       const card = el("div", { class: "session", "data-session": s.id });
       card.appendChild(el("div", { class: "title" },
-        `${s.key || "(no key)"} · ${s.id} · ${s.kind} · slot ${s.slot ?? "–"} · ` +
+        `${s.key || "(no key)"} · ${s.id} · ${s.api ?? "openai"} · ${s.kind} · ` +
+        `slot ${s.slot ?? "–"} · ` +
         `${s.committed_tokens} committed tokens · ${s.last_decision}`));
       card.appendChild(el("div", { class: "reason" }, s.last_reason || ""));
       card.appendChild(chart(s.turns || []));

@@ -42,8 +42,8 @@ async def test_identical_concurrent_requests_are_independent_samples() -> None:
         metrics = (await client.admin.get("/metrics")).text
     assert len(engine.requests) == 2
     assert second.status_code == 200
-    assert 'prefixpin_inflight_joins_total{endpoint="chat"}' not in metrics.replace(
-        'prefixpin_inflight_joins_total{endpoint="chat"} 0.0', "")
+    assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"}' not in metrics.replace(
+        'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 0.0', "")
 
 
 async def test_retries_that_say_so_share_one_generation() -> None:
@@ -68,7 +68,7 @@ async def test_retries_that_say_so_share_one_generation() -> None:
         metrics = (await client.admin.get("/metrics")).text
     assert len(engine.requests) == 1
     assert answers[0] == answers[1] == answers[2] != ""
-    assert 'prefixpin_inflight_joins_total{endpoint="chat"} 2.0' in metrics
+    assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 2.0' in metrics
 
 
 async def test_an_idempotency_key_joins_only_its_own_request() -> None:
@@ -140,7 +140,7 @@ async def test_bare_completions_is_the_openai_api_and_a_retry_joins_it() -> None
     assert answer.status_code == alias.status_code == 200, alias.text
     assert alias.json()["choices"] == answer.json()["choices"]
     assert len(engine.requests) == 1
-    assert 'prefixpin_inflight_joins_total{endpoint="completions"} 1.0' in metrics
+    assert 'prefixpin_inflight_joins_total{api="openai",endpoint="completions"} 1.0' in metrics
 
 
 def test_the_inflight_key_names_the_path_and_the_session() -> None:
@@ -216,7 +216,7 @@ async def test_identical_requests_arriving_together_share_one_generation() -> No
         metrics = (await client.admin.get("/metrics")).text
     assert len(engine.requests) == 1
     assert len({a.json()["choices"][0]["message"]["content"] for a in answers}) == 1
-    assert 'prefixpin_inflight_joins_total{endpoint="chat"} 3.0' in metrics
+    assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 3.0' in metrics
 
 
 async def test_a_released_reservation_lets_waiters_plan_for_themselves() -> None:

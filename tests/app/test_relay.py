@@ -175,7 +175,7 @@ async def test_metrics_have_histograms_with_values_after_a_request() -> None:
                  "prefixpin_prefill_seconds_count"):
         line = next(line for line in text.splitlines() if line.startswith(name))
         assert float(line.rsplit(" ", 1)[1]) == 1.0, line
-    assert 'prefixpin_requests_total{endpoint="chat",outcome="ok"} 1.0' in text
+    assert 'prefixpin_requests_total{api="openai",endpoint="chat",outcome="ok"} 1.0' in text
 
 
 async def test_a_slow_prefill_gets_heartbeats_with_progress() -> None:

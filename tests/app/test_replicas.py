@@ -164,7 +164,7 @@ async def test_a_retry_on_the_other_replica_joins_the_running_generation(
                        for c in httpx.Response(200, content=line[6:]).json()["choices"])
         assert retry.json()["choices"][0]["message"]["content"] == text
         metrics = (await clients[1].admin.get("/metrics")).text
-        assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' in metrics
+        assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 1.0' in metrics
 
 
 async def test_a_retry_waits_for_a_generation_that_fails_and_gets_its_error(
@@ -196,7 +196,7 @@ async def test_identical_requests_on_two_replicas_are_independent_samples(
         assert (await first).status_code == second.status_code == 200
         assert len(engine.requests) == 2
         metrics = (await clients[1].admin.get("/metrics")).text
-        assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' not in metrics
+        assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 1.0' not in metrics
 
 
 async def test_a_resend_on_the_other_replica_after_the_client_left_joins(

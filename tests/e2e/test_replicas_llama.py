@@ -139,7 +139,7 @@ def test_a_retry_on_the_other_replica_joins_the_generation_in_flight(
     assert retry["choices"][0]["message"]["content"] == first["text"]
     assert after - before <= prompt * 1.05  # prefilled once, not twice
     metrics = httpx.get(f"{replicas[1].admin_url}/metrics", timeout=10).text
-    assert 'prefixpin_inflight_joins_total{endpoint="chat"} 1.0' in metrics
+    assert 'prefixpin_inflight_joins_total{api="openai",endpoint="chat"} 1.0' in metrics
 
 
 def test_a_killed_replica_loses_only_its_clients_and_sessions_continue(

@@ -70,6 +70,6 @@ def test_resends_during_a_long_prefill_cost_one_prefill(
     assert attempts >= 2, "the prefill finished within one client timeout: not a long prefill"
     assert len(prompt) <= processed <= len(prompt) + 64, (processed, len(prompt), attempts)
     joins = [line for line in metrics.splitlines()
-             if line.startswith('prefixpin_inflight_joins_total{endpoint="chat"}')]
+             if line.startswith('prefixpin_inflight_joins_total{api="openai",endpoint="chat"}')]
     assert joins
     assert float(joins[0].split()[-1]) >= attempts - 2
