@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -17,6 +17,50 @@ from core.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
+
+# A request extension marking a client's request forwarded as it came (``proxy.passthrough``):
+# it carries the client's own credentials, never the engine key.
+FORWARDED = "prefixpin.forwarded"
+# The headers an engine authenticates a request with: llama-server's --api-key takes
+# ``Authorization: Bearer <key>``, else ``X-Api-Key: <key>`` (Anthropic's header).
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+# The engine paths the proxy asks on its own behalf (probes, /healthz, the tokenizer and
+# template, slot files): only these carry the engine key. A generation goes to the engine
+# for a client, with the client's own credentials: a client without a key gets the
+# engine's 401, however prefixpin reaches the engine. A new own request on another path
+# goes without the key (refused by an engine with a key, never a client let through).
+OWN_PATHS = frozenset({
+    "/health", "/props", "/metrics", "/v1/models", "/models", "/slots", "/tokenize",
+    "/detokenize", "/apply-template", "/api/version", "/api/tags", "/api/ps", "/api/show",
+})
+OWN_PREFIXES = ("/slots/",)
+
+
+class EngineKey(httpx.Auth):
+    """``Authorization: Bearer <key>`` on the proxy's own requests to an engine started
+    with an API key (``--engine-api-key``): those to ``OWN_PATHS`` that carry no
+    credentials and are not a client's (``FORWARDED``). ``base_path``: the path of the
+    engine's base URL, which every request path starts with."""
+
+    def __init__(self, key: str, base_path: str = "/") -> None:
+        self._value = f"Bearer {key}"
+        self._base = base_path.rstrip("/")
+
+    def is_own(self, request: httpx.Request) -> bool:
+        if request.extensions.get(FORWARDED):
+            return False
+        path = request.url.path
+        if self._base:
+            if not path.startswith(self._base + "/"):
+                return False
+            path = path[len(self._base):]
+        return path in OWN_PATHS or path.startswith(OWN_PREFIXES)
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response,
+                                                             None]:
+        if self.is_own(request) and not any(h in request.headers for h in CREDENTIAL_HEADERS):
+            request.headers["Authorization"] = self._value
+        yield request
 
 
 @contextmanager

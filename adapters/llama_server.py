@@ -4,12 +4,15 @@ embedded engine).
 Facts this relies on (see shared/research/llama-server.md): ``return_progress`` makes the
 first event arrive when the slot starts the prompt, before prefill, with the cache hit;
 ``id_slot`` pins a slot; ``/slots`` answers even during a decode; save/restore/erase need
-``--slot-save-path``; ``/metrics`` carries ``Process-Start-Time-Unix``.
+``--slot-save-path``; ``/metrics`` carries ``Process-Start-Time-Unix``. Its native
+completion API (``/completion``, ``/completions``, ``/infill``) streams its own events, not
+OpenAI chunks, and ends with a ``"stop": true`` event instead of ``[DONE]``
+(``adapters._llama_native``): the stream's classifier is chosen by the request's path.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +27,7 @@ from adapters._http import (
     post_json,
     send_with_stale_retry,
 )
+from adapters._llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
 from adapters._openai_sse import classify
 from adapters.base import (
     Capabilities,
@@ -34,7 +38,7 @@ from adapters.base import (
     UpstreamCall,
 )
 from core.errors import UpstreamError
-from core.sse import SSEDecoder
+from core.sse import SSEDecoder, SSEEvent
 
 # Architectures whose attention is (partly) a sliding window: a rewind deeper than the
 # window needs a context checkpoint, and a restored slot has none (research note §1, §3).
@@ -83,9 +87,15 @@ class LlamaServerAdapter:
         # The first progress event arrives before prefill and carries the cache hit; the
         # usage chunk carries the final figures. The relay hides both unless asked for.
         upstream["return_progress"] = True
-        options = dict(upstream.get("stream_options") or {})
-        options["include_usage"] = True
-        upstream["stream_options"] = options
+        if path in NATIVE_PATHS:
+            # The native API has no usage chunk: its final event carries the figures, and
+            # the proxy reads that event whole (it ends the stream). ``response_fields``
+            # would strip it (even of ``"stop"``), so the codec applies it for the client.
+            upstream.pop("response_fields", None)
+        else:
+            options = dict(upstream.get("stream_options") or {})
+            options["include_usage"] = True
+            upstream["stream_options"] = options
         if slot is not None:
             upstream["id_slot"] = slot
         return UpstreamCall(path=path, body=upstream)
@@ -98,8 +108,10 @@ class LlamaServerAdapter:
                 "POST", self._url(call.path), content=encode_json(call.body),
                 headers=_header_bytes({**call.headers, "content-type": "application/json"}))
             response = await send_with_stale_retry(self.http, request)
+        classify_event = (NativeClassifier(prompt_count(call.path, call.body))
+                          if call.path in NATIVE_PATHS else classify)
         try:
-            yield _LlamaStream(response, what)
+            yield _LlamaStream(response, what, classify_event)
         finally:
             await response.aclose()
 
@@ -168,9 +180,14 @@ class LlamaServerAdapter:
 
 
 class _LlamaStream:
-    def __init__(self, response: httpx.Response, what: str) -> None:
+    """``classify``: OpenAI's events (``adapters._openai_sse``) or, on the native paths,
+    llama-server's own (``adapters._llama_native``), as the request's path says."""
+
+    def __init__(self, response: httpx.Response, what: str,
+                 classify: Callable[[SSEEvent], Frame] = classify) -> None:
         self._response = response
         self._what = what
+        self._classify = classify
         self.status_code = response.status_code
         self.content_type = response.headers.get("content-type")
 
@@ -180,7 +197,7 @@ class _LlamaStream:
 
     def aiter_frames(self) -> AsyncIterator[Frame]:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
-        return decoded_frames(self._response, self._what, SSEDecoder(), classify)
+        return decoded_frames(self._response, self._what, SSEDecoder(), self._classify)
 
 
 def _header_bytes(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

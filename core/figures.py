@@ -5,7 +5,12 @@ Sources, best first: the usage chunk (``usage.prompt_tokens``,
 ``prompt_ms``) on the last chunk, and the last progress report; for Ollama's native API,
 the metrics of its done chunk (``prompt_eval_count``, ``prompt_eval_cached_count``,
 ``prompt_eval_duration``, ``eval_count``, ``load_duration``; durations in nanoseconds;
-the cached count is absent before Ollama 0.33.3 and stays unknown). Figures never underflow
+the cached count is absent before Ollama 0.33.3 and stays unknown); for llama-server's
+native API (``/completion``, ``/infill``), its final events (``"stop": true``:
+``tokens_evaluated``, ``tokens_predicted``, ``timings.cache_n``, ``prompt_n``,
+``prompt_ms``; one per prompt, summed) and the last progress report (``prompt_progress``)
+where they fall short. (Its ``tokens_cached`` is not a cached count: it is every token
+the slot holds after the answer, the prompt and the generated tokens.) Figures never underflow
 or overstate: a count is a non-negative integer or unknown (an engine sending anything
 else in a field makes that figure unknown), cached tokens are clamped to [0, prompt
 tokens], and a time is finite and non-negative.
@@ -41,6 +46,7 @@ def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
     usage: Mapping[str, Any] = {}
     timings: Mapping[str, Any] = {}
     native: Mapping[str, Any] | None = None
+    finals: list[Mapping[str, Any]] = []
     for frame in frames:
         data = frame.data or {}
         if isinstance(data.get("timings"), Mapping):
@@ -49,8 +55,12 @@ def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
             usage = data["usage"]
         if frame.kind is FrameKind.DONE and data.get("done") is True:
             native = data
+        if data.get("stop") is True and frame.kind is not FrameKind.PROGRESS:
+            finals.append(data)  # llama-server's native final event, one per prompt
     if native is not None:
         return _native(native)
+    if finals:
+        return _llama_native(finals, progress)
     return _combine(usage, timings, progress)
 
 
@@ -70,6 +80,50 @@ def _native(done: Mapping[str, Any]) -> Figures:
         completion_tokens=eval_count if eval_count is not None else (
             0 if "prompt_eval_count" in done else None),
         load_ms=_nanoseconds_as_ms(done.get("load_duration")),
+    )
+
+
+def _llama_native(finals: Sequence[Mapping[str, Any]], progress: Progress | None) -> Figures:
+    """llama-server's native final events (``to_json_non_oaicompat``), one per prompt of the
+    request: the prompt is ``tokens_evaluated`` (else ``prompt_n`` + ``cache_n``), the
+    cached part ``timings.cache_n``; the last progress report stands in for a figure a
+    single final event lacks. Several prompts: each figure summed, unknown if any is."""
+    figures = [_llama_final(data, progress if len(finals) == 1 else None) for data in finals]
+    if len(figures) == 1:
+        return figures[0]
+    prompt_ms = [f.prompt_ms for f in figures]
+    return Figures(
+        prompt_tokens=_sum([f.prompt_tokens for f in figures]),
+        cached_tokens=_sum([f.cached_tokens for f in figures]),
+        prompt_ms=None if None in prompt_ms else sum(ms or 0.0 for ms in prompt_ms),
+        completion_tokens=_sum([f.completion_tokens for f in figures]),
+    )
+
+
+def _sum(counts: Sequence[int | None]) -> int | None:
+    return None if None in counts else sum(c or 0 for c in counts)
+
+
+def _llama_final(data: Mapping[str, Any], progress: Progress | None) -> Figures:
+    timings = mapping_of(data.get("timings"))
+    prompt = count_of(data.get("tokens_evaluated"))
+    prompt_n = count_of(timings.get("prompt_n"))
+    if prompt is None and prompt_n is not None:
+        prompt = prompt_n + (count_of(timings.get("cache_n")) or 0)
+    if prompt is None and progress is not None:
+        prompt = progress.total
+    cached = _integer(timings.get("cache_n"))
+    if cached is None and progress is not None:
+        cached = progress.cache
+    if cached is not None:
+        cached = max(0, min(cached, prompt) if prompt is not None else cached)
+    completion = count_of(data.get("tokens_predicted"))
+    return Figures(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        prompt_ms=_duration(timings.get("prompt_ms")),
+        completion_tokens=completion if completion is not None else count_of(
+            timings.get("predicted_n")),
     )
 
 

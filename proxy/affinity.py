@@ -92,7 +92,10 @@ class AffinityPlanner:
         session = decision.session
         session.api = client.api
         self._observe(decision, backend.label)
-        body = dict(decision.body if decision.body is not None else client.body)
+        # An infill request is planned by its identity (``planned_body``) and forwarded as
+        # it came: no repair rewrites a raw prompt.
+        body = dict(decision.body if decision.body is not None and client.path != INFILL_PATH
+                    else client.body)
         preferred = self.pool.holder_of(session.id)
         notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
                                  "reason": session.last_reason, "namespace": namespace,
@@ -131,7 +134,8 @@ class AffinityPlanner:
             blocked = "blocked: slot contents unknown"
         self.pool.mark_known(lease.slot)
         if self.parking is not None and not lease.resident:
-            restored = await self.parking.restore(session, plan.body, lease.slot)
+            restored = await self.parking.restore(session, planned_body(plan.path, plan.body),
+                                                  lease.slot)
             if restored is not None:
                 plan.notes["park"] = restored.note
                 if restored.ok:
@@ -164,8 +168,8 @@ class AffinityPlanner:
         if not outcome.ok:
             return
         body = plan.body
-        session.committed = (Committed.of_chat(body, plan.digests)
-                             if "messages" in body else Committed.of_completion(body))
+        session.committed = (Committed.of_chat(body, plan.digests) if "messages" in body
+                             else Committed.of_completion(planned_body(plan.path, body)))
         session.chain = plan.chain or session.chain
         if outcome.reply is not None:
             session.repair.last_reply = dict(outcome.reply)
@@ -184,7 +188,7 @@ class AffinityPlanner:
     async def _decide(self, client: ClientRequest, namespace: str,
                       identity: ExplicitIdentity | None, backend: Backend,
                       digests: Sequence[bytes]) -> Decision:
-        body = client.body
+        body = planned_body(client.path, client.body)
         # A named session is found by its key alone (it never matches an unnamed one, nor
         # the reverse): only a request without a key needs its fingerprint.
         chain = await self._chain(client, namespace, digests) if identity is None else None
@@ -286,6 +290,8 @@ class AffinityPlanner:
             return await self.fingerprinter.chain_of_messages(
                 client.body.get("messages") or [], digests, self._normalize_for_identity,
                 namespace)
+        if client.path == INFILL_PATH:
+            return None  # its identity has no message markers: a chain would nominate none
         prompt = client.body.get("prompt")
         return await self.fingerprinter.chain_of_prompt(prompt) if isinstance(prompt,
                                                                               str) else None
@@ -359,6 +365,40 @@ class AffinityPlanner:
                   session=decision.session.id, key=decision.session.key,
                   kind=decision.session.kind, reason=decision.session.last_reason,
                   upstream=upstream)
+
+
+# llama-server's fill-in-the-middle path (editor plugins: llama.vim, llama.vscode). Its
+# body has no conversation and no stable prompt: the engine's prompt is the ``input_extra``
+# chunks (the editor's ring buffer of context from open files), then the FIM prefix (the
+# lines before the cursor), the suffix and the ``prompt`` (the cursor's line so far), and
+# the editor sends one on nearly every keystroke, each moving the prefix, suffix and
+# ``prompt``. What the engine can reuse from one request to the next is the chunks first,
+# then whatever of the prefix still matches. So an infill request is planned as a raw
+# prompt made of its chunks alone (``infill_identity``): the same chunks are the same
+# history (resumed, same slot) however the cursor moved, chunks added at the end extend it
+# (resumed), and chunks dropped or changed diverge (a new side history). Without chunks,
+# a namespace's infill requests are one history on one slot. The body forwarded is always
+# the client's own.
+INFILL_PATH = "/infill"
+# A completion prompt would have to start with these control characters to match one.
+_INFILL_MARK = "\x1dllama-infill\x1d"
+
+
+def planned_body(path: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What the planner decides on: the body itself, or an infill body with its identity
+    as its ``prompt`` (never forwarded)."""
+    return {**body, "prompt": infill_identity(body)} if path == INFILL_PATH else body
+
+
+def infill_identity(body: Mapping[str, Any]) -> str:
+    """An infill request's ``input_extra`` chunks, in order, as one text: a chunk added at
+    the end extends it."""
+    parts = [_INFILL_MARK]
+    extra = body.get("input_extra")
+    for chunk in extra if isinstance(extra, list) else ():
+        if isinstance(chunk, Mapping):
+            parts.append(f"{chunk.get('filename') or ''}\x1f{chunk.get('text') or ''}\x1e")
+    return "".join(parts)
 
 
 def _is_prefix_of(session: Session, digests: Sequence[bytes], prompt: object) -> bool:

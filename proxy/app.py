@@ -5,9 +5,9 @@ Two listeners, one process, one state (issue 16: tenants never reach what is not
 - the **tenant app** (``ProxyApps.tenant``, the ``--port`` listener) serves the pipeline's
   routes (``proxy.codecs.routes()``), ``GET /healthz`` and the read-only engine paths of
   ``proxy.passthrough.TENANT_PATHS``. Every other path is a 403 naming the operator
-  listener: ``/slots`` (erase, save, restore), llama-server's native ``/completion`` and
-  ``/infill`` (they take ``id_slot`` and report another prefix's ``cache_n``; the pipeline
-  will serve them later), Ollama's ``/api/delete``, ``/api/pull``, ... and the views.
+  listener: ``/slots`` (erase, save, restore), Ollama's ``/api/delete``, ``/api/pull``,
+  ... and the views. (llama-server's native ``/completion``, ``/completions`` and
+  ``/infill`` are pipeline routes: ``proxy.codecs.llama_native``.)
 - the **operator app** (``ProxyApps.operator``, ``--admin-listen``) serves the status page,
   ``/sessions``, ``/metrics``, ``/healthz`` and every engine path as it came; with
   ``--admin-token`` only to requests carrying ``Authorization: Bearer <token>``.

@@ -7,6 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,6 +27,11 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--admin-token": ("admin_token", str, "bearer token every operator request must carry; "
                       "required when --admin-listen is beyond loopback (env "
                       "PREFIXPIN_ADMIN_TOKEN)"),
+    "--engine-api-key": ("engine_api_key", str, "the engine's API key (llama-server "
+                         "--api-key), sent as Authorization: Bearer on prefixpin's own "
+                         "requests (probes, tokenizer, slot files); clients' requests carry "
+                         "their own credentials. One for every upstream; an upstreams-file "
+                         "line's api_key=KEY overrides it (env PREFIXPIN_ENGINE_API_KEY)"),
     "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
     "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
@@ -132,6 +138,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         dedicated = {entry.url: list(entry.namespaces) for entry in entries if entry.namespaces}
         if dedicated:
             given["upstream_namespaces"] = dedicated
+        keys = {entry.url: entry.api_key for entry in entries if entry.api_key}
+        if keys:
+            given["upstream_api_keys"] = keys
     if urls:
         given["upstream"] = urls[0]
     if len(urls) > 1:  # else PREFIXPIN_UPSTREAMS, if set, still applies
@@ -143,6 +152,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 class UpstreamEntry:
     url: str
     namespaces: tuple[str, ...] = ()  # empty: any namespace
+    # The engine's API key (else --engine-api-key); a key holds no "#" (a comment starts).
+    api_key: str | None = dataclass_field(default=None, repr=False)
 
 
 class UpstreamsFileError(ValueError):
@@ -154,7 +165,9 @@ _NAMESPACE = re.compile(r"^(anon|t-[0-9a-f]{16})$")
 
 def read_upstreams_file(path: str) -> list[UpstreamEntry]:
     """One base URL a line, optionally followed by ``namespace=NS[,NS...]`` (the backend
-    then serves only those namespaces); blank lines and ``#`` comments are skipped."""
+    then serves only those namespaces) and ``api_key=KEY`` (the engine's API key for
+    prefixpin's own requests, instead of ``--engine-api-key``); blank lines and ``#``
+    comments are skipped."""
     with open(path, encoding="utf-8") as handle:
         lines = [line.split("#", 1)[0].strip() for line in handle]
     return [parse_upstream_line(line, f"{path}:{number}")
@@ -164,18 +177,25 @@ def read_upstreams_file(path: str) -> list[UpstreamEntry]:
 def parse_upstream_line(line: str, where: str = "") -> UpstreamEntry:
     url, *options = line.split()
     namespaces: list[str] = []
+    api_key: str | None = None
     for option in options:
         name, sep, value = option.partition("=")
+        if name == "api_key" and sep:
+            if not value:
+                raise UpstreamsFileError(f"{where}: api_key= without a key")
+            api_key = value
+            continue
         if name != "namespace" or not sep:
-            raise UpstreamsFileError(f"{where}: unknown option {option!r} (only "
-                                     "namespace=NS[,NS...] follows a URL)")
+            # The option's value is left out: it may be a mistyped key.
+            raise UpstreamsFileError(f"{where}: unknown option {name!r} (only "
+                                     "namespace=NS[,NS...] and api_key=KEY follow a URL)")
         for namespace in value.split(","):
             if not _NAMESPACE.match(namespace):
                 raise UpstreamsFileError(
                     f"{where}: {namespace!r} is not a namespace id (t- and 16 hex digits, "
                     "as /sessions shows it, or anon)")
             namespaces.append(namespace)
-    return UpstreamEntry(url, tuple(dict.fromkeys(namespaces)))
+    return UpstreamEntry(url, tuple(dict.fromkeys(namespaces)), api_key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

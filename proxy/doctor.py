@@ -116,8 +116,10 @@ class Observations:
 class _Client:
     """A thin httpx wrapper: every connection failure becomes UpstreamUnavailableError."""
 
-    def __init__(self, base: str, timeout: float) -> None:
-        self.http = httpx.Client(base_url=base.rstrip("/"), timeout=timeout)
+    def __init__(self, base: str, timeout: float, api_key: str | None = None) -> None:
+        # Every request doctor sends is its own: with the engine's --api-key, it carries it.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = httpx.Client(base_url=base.rstrip("/"), timeout=timeout, headers=headers)
 
     def get(self, path: str) -> httpx.Response:
         try:
@@ -288,16 +290,22 @@ def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, i
 
 def collect(upstream: str, *, probe: bool = True, local: bool = True,
             probe_context_shift: bool = False, probe_shared_cache: bool = False,
-            timeout: float = 120.0) -> Observations:
+            timeout: float = 120.0, api_key: str | None = None) -> Observations:
     """Read everything doctor judges. Raises UpstreamUnavailableError when the server
-    cannot be reached or is not ready."""
-    client = _Client(upstream, timeout)
+    cannot be reached or is not ready. ``api_key``: the server's --api-key."""
+    client = _Client(upstream, timeout, api_key)
     try:
         health = client.get("/health")
         if health.status_code != 200:
             raise UpstreamUnavailableError(
                 f"{upstream}/health answered {health.status_code}: {_error_message(health)}")
-        props = _json_or_empty(client.get("/props"))
+        props_response = client.get("/props")
+        if props_response.status_code == 401:  # /health is public even with --api-key
+            raise UpstreamUnavailableError(
+                f"{upstream}/props answered 401: {_error_message(props_response)} (the "
+                "server runs with --api-key: give it as --engine-api-key or "
+                "PREFIXPIN_ENGINE_API_KEY)")
+        props = _json_or_empty(props_response)
         slots_response = client.get("/slots")
         slots = slots_response.json() if slots_response.status_code == 200 else None
         metrics = client.get("/metrics")
@@ -734,11 +742,13 @@ def render_text(report: Report) -> str:
 
 def run(upstream: str, *, probe: bool = True, local: bool = True,
         probe_context_shift: bool = False, probe_shared_cache: bool = False,
-        min_ctx: int = DEFAULT_MIN_CTX, timeout: float = 120.0) -> Report:
+        min_ctx: int = DEFAULT_MIN_CTX, timeout: float = 120.0,
+        api_key: str | None = None) -> Report:
     try:
         obs = collect(upstream, probe=probe, local=local,
                       probe_context_shift=probe_context_shift,
-                      probe_shared_cache=probe_shared_cache, timeout=timeout)
+                      probe_shared_cache=probe_shared_cache, timeout=timeout,
+                      api_key=api_key)
     except UpstreamUnavailableError as exc:
         return Report(upstream, False, [], [], {}, [], error=exc.message)
     return build_report(obs, min_ctx=min_ctx)
@@ -750,6 +760,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", default=os.environ.get("PREFIXPIN_UPSTREAM")
                         or DEFAULT_UPSTREAM, help=f"llama-server base URL (default "
                         f"$PREFIXPIN_UPSTREAM or {DEFAULT_UPSTREAM})")
+    parser.add_argument("--engine-api-key", default=os.environ.get("PREFIXPIN_ENGINE_API_KEY")
+                        or None, help="the server's --api-key, sent as Authorization: "
+                        "Bearer (default $PREFIXPIN_ENGINE_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="send no completions (flags that need them stay unknown)")
@@ -772,7 +785,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     report = run(args.upstream, probe=args.probe, local=args.local,
                  probe_context_shift=args.probe_context_shift,
                  probe_shared_cache=args.probe_shared_cache, min_ctx=args.min_ctx,
-                 timeout=args.timeout)
+                 timeout=args.timeout, api_key=args.engine_api_key)
     if args.json:
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
     else:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from adapters._http import EngineKey
 from adapters.base import Adapter, EngineInfo
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
@@ -96,7 +97,12 @@ def kind_of(adapter: Adapter) -> EngineKind:
 
 def http_client(settings: Settings, url: str,
                 transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, transport=transport,
+    """The client of one engine. With an engine key (``--engine-api-key``, or the
+    upstreams file's ``api_key=`` for this URL) the proxy's own requests carry it
+    (``adapters._http.EngineKey``); a client's requests carry the client's credentials."""
+    key = settings.engine_key_for(url)
+    auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
+    return httpx.AsyncClient(base_url=url, transport=transport, auth=auth,
                              timeout=settings.upstream_timeout(),
                              limits=httpx.Limits(max_connections=None,
                                                  max_keepalive_connections=64))
@@ -319,7 +325,7 @@ async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> 
 
 
 register(EngineKind("llama-server", slot_sessions_on, _llama_server_shared_cache,
-                    local_flags=True))
+                    local_flags=True, serves=frozenset({"openai", "llama"})))
 register(EngineKind("embedded", slot_sessions_on, _no_shared_cache))
 register(EngineKind("ollama", ollama_sessions_on, _ollama_shared_cache,
                     serves=frozenset({"openai", "ollama"})))

@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from adapters._http import map_httpx_errors
+from adapters._http import FORWARDED, map_httpx_errors
 from proxy.paths import PathRejected, is_canonical
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to one connection, never forwarded.
@@ -52,9 +52,12 @@ async def forward(request: Request, http: httpx.AsyncClient,
     target = request.scope["path"] if path is None else path
     if not is_canonical(target):
         raise PathRejected("not in canonical form (it is not forwarded)")
+    # Its credentials are the client's own (Authorization, X-Api-Key: headers above), never
+    # the engine key prefixpin's own requests carry (``FORWARDED``).
     upstream_request = http.build_request(
         request.method, httpx.URL(path=target, query=request.url.query.encode()),
         headers=headers, content=_body(request) if content is None else content,
+        extensions={FORWARDED: True},
     )
     if not upstream_request.url.raw_path.partition(b"?")[0].endswith(target.encode()):
         raise PathRejected("it would not reach the engine as it was routed")

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo
 from core.errors import ProxyError, UpstreamError
+from proxy.affinity import planned_body
 from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
 from proxy.codecs import Codec
 from proxy.engines import (
@@ -181,7 +182,9 @@ class Router:
 
     async def _place(self, namespace: str, client: ClientRequest,
                      headers: Mapping[str, str], lanes: list[Lane]) -> Choice:
-        identity = session_identity(namespace, client.body, headers)
+        # an infill request is placed by its context chunks, as it is planned (its prompt
+        # is the cursor's line)
+        identity = session_identity(namespace, planned_body(client.path, client.body), headers)
         choice = await self.placer.choose(identity, lanes)  # Redis errors: see _serve
         if choice.moved:
             log_event(self.log, logging.WARNING, "session moved", identity=identity,

@@ -34,6 +34,15 @@ class Settings(BaseSettings):
                                      "(default 127.0.0.1:<port + 1>)")
     admin_token: SecretStr | None = Field(None, description="Bearer token every operator "
                                           "request must carry; required beyond loopback")
+    # The engine's own API key (llama-server --api-key): sent as `Authorization: Bearer` on
+    # the proxy's own requests (probes, tokenizer, template, slot files), never on a
+    # client's, which carry the client's credentials. One for every upstream, unless the
+    # upstreams file gives a URL its own (`api_key=`: upstream_api_keys).
+    engine_api_key: SecretStr | None = Field(None, description="API key of the engine(s) "
+                                             "for the proxy's own requests")
+    upstream_api_keys: dict[str, SecretStr] = Field(
+        default_factory=dict, description="Engine base URL -> its API key, instead of "
+        "engine_api_key (--upstreams-file api_key=)")
 
     # Relay behaviour.
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
@@ -132,11 +141,16 @@ class Settings(BaseSettings):
             split_address(value)
         return value
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "engine_api_key", mode="before")
     @classmethod
     def _no_empty_token(cls, value: object) -> object:
         """An empty token (``PREFIXPIN_ADMIN_TOKEN=``) is no token: it protects nothing."""
         return None if value == "" else value
+
+    def engine_key_for(self, url: str) -> str | None:
+        """The API key the proxy's own requests to the engine at ``url`` carry."""
+        key = self.upstream_api_keys.get(url) or self.engine_api_key
+        return key.get_secret_value() if key is not None else None
 
     def admin_address(self) -> tuple[str, int]:
         """Where the operator listener binds: ``admin_listen``, else loopback, ``port + 1``."""

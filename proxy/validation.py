@@ -23,11 +23,11 @@ from starlette.requests import ClientDisconnect
 
 from core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "infill"]
 # The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;
 # responses: /v1/responses). The last two are read into an OpenAI chat body (their codecs
 # convert), so everything after parsing sees one conversation shape.
-Api = Literal["openai", "ollama", "anthropic", "responses"]
+Api = Literal["openai", "ollama", "anthropic", "responses", "llama"]
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -118,6 +118,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     else:
         _check_prompt(body.get("prompt"))
     _check_field_types(body, FIELD_TYPES[endpoint])
+    _check_one_choice(body)
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
@@ -125,6 +126,17 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     wants_usage = bool(options.get("include_usage")) if isinstance(options, Mapping) else False
     return ClientRequest(endpoint, path, body, stream, wants_usage,
                          _optional_bool(body, "return_progress"))
+
+
+def _check_one_choice(body: Mapping[str, Any]) -> None:
+    """``n`` above 1 is refused: llama-server reads ``n`` as ``n_cmpl`` and runs each extra
+    choice on another slot, over whichever session that slot holds (the pinning and the
+    tenant guard would not see it)."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise BadRequestError("'n' must be 1 through prefixpin: each further choice would "
+                              "run on another engine slot, over the session it holds; send "
+                              "n requests instead", param="n")
 
 
 def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
@@ -375,3 +387,70 @@ def _optional_bool(body: Mapping[str, Any], name: str) -> bool:
 def _too_large(max_bytes: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes "
                                 "(--max-body)")
+
+
+# llama-server's native completion API (``/completion``, ``/completions``, ``/infill``). Its
+# fields are llama-server's to judge (``logit_bias`` as pairs, ``n_probs``, ``samplers``,
+# ...): only what the proxy itself reads is checked here. ``n`` is llama-server's alias of
+# ``n_cmpl`` on these paths, an engine control like it (``ENGINE_CONTROLS``).
+LLAMA_NATIVE_CONTROLS = ("n",)
+
+
+def parse_llama_request(raw: bytes, endpoint: Endpoint, path: str) -> ClientRequest:
+    """A body of llama-server's native API: ``endpoint`` "completions" (``/completion``,
+    ``/completions``: a ``prompt``, in any of the forms llama-server reads) or "infill"
+    (``/infill``: ``input_prefix``, ``input_suffix``, optional ``input_extra`` chunks and
+    ``prompt``). ``stream`` defaults to false, as on llama-server."""
+    body = _parse_object(raw)
+    for key in LLAMA_NATIVE_CONTROLS:
+        body.pop(key, None)
+    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    if endpoint == "infill":
+        _check_infill(body)
+    else:
+        _check_native_prompt(body.get("prompt"))
+    return ClientRequest(endpoint, path, body, _optional_bool(body, "stream"), False,
+                         _optional_bool(body, "return_progress"), "llama")
+
+
+def _check_native_prompt(prompt: object) -> None:
+    """A string, an array (token ids and strings mixed, or several prompts: strings, token
+    lists, objects), or an object with ``prompt_string`` (and ``multimodal_data``): the
+    elements are llama-server's to read."""
+    if isinstance(prompt, str | list | dict):
+        return
+    raise BadRequestError("'prompt' is required: a string, an array of token ids and "
+                          "strings, an array of prompts, or an object with 'prompt_string'",
+                          param="prompt")
+
+
+def _check_infill(body: Mapping[str, Any]) -> None:
+    """llama-server's own checks of ``/infill`` (``post_infill``); the prefix and suffix
+    may be token arrays there too (tokenized as a mixed prompt)."""
+    for name in ("input_prefix", "input_suffix"):
+        value = body.get(name)
+        if not isinstance(value, str) and not _is_mixed_prompt(value):
+            raise BadRequestError(f"\"{name}\" is required: a string (or an array of token "
+                                  "ids and strings)", param=name)
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise BadRequestError("\"prompt\" must be a string", param="prompt")
+    extra = body.get("input_extra")
+    if extra is None:
+        return
+    if not isinstance(extra, list):
+        raise BadRequestError("\"input_extra\" must be an array of {\"filename\": string, "
+                              "\"text\": string}", param="input_extra")
+    for index, chunk in enumerate(extra):
+        where = f"input_extra[{index}]"
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise BadRequestError("extra_context chunk must contain a \"text\" field with a "
+                                  "string value", param=where)
+        if "filename" in chunk and not isinstance(chunk["filename"], str):
+            raise BadRequestError("extra_context chunk's \"filename\" field must be a string",
+                                  param=f"{where}.filename")
+
+
+def _is_mixed_prompt(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, str | int) and not isinstance(item, bool) for item in value)

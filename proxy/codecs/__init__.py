@@ -25,9 +25,11 @@ Registered today:
 
     name                api     endpoint     routes
     chat                openai  chat         /v1/chat/completions, /chat/completions
-    completions         openai  completions  /v1/completions, /completions
+    completions         openai  completions  /v1/completions
     ollama-chat         ollama  chat         /api/chat
     ollama-completions  ollama  completions  /api/generate
+    llama-completions   llama   completions  /completion, /completions
+    llama-infill        llama   infill       /infill
 
 Adding an API (say Anthropic Messages, ``/v1/messages``; OpenAI Responses,
 ``/v1/responses``) is adding a codec, not a branch:
@@ -66,6 +68,7 @@ from collections.abc import Mapping
 
 from proxy.codecs.anthropic import AnthropicCodec
 from proxy.codecs.base import Codec, StreamEncoder
+from proxy.codecs.llama_native import LlamaNativeCodec
 from proxy.codecs.ollama_ndjson import OllamaCodec
 from proxy.codecs.openai_sse import OpenAICodec
 from proxy.codecs.responses import ResponsesCodec
@@ -98,13 +101,18 @@ def register(codec: Codec) -> Codec:
 
 
 OPENAI_CHAT = register(OpenAICodec("chat", ("/v1/chat/completions", "/chat/completions")))
-OPENAI_COMPLETIONS = register(OpenAICodec("completions", ("/v1/completions", "/completions")))
+OPENAI_COMPLETIONS = register(OpenAICodec("completions", ("/v1/completions",)))
 OLLAMA_CHAT = register(OllamaCodec("chat", ("/api/chat",)))
 OLLAMA_GENERATE = register(OllamaCodec("completions", ("/api/generate",)))
 # Converted to chat completions on the way in, and their answers from the engine's chat
 # stream on the way out: any lane that serves OpenAI chat serves them.
 ANTHROPIC_MESSAGES = register(AnthropicCodec())
 OPENAI_RESPONSES = register(ResponsesCodec())
+# llama-server's native API (bare /completions is its native route, not OpenAI's): only
+# llama-server lanes serve it, asked on the client's own path.
+LLAMA_COMPLETION = register(LlamaNativeCodec("completions",
+                                             ("/completion", "/completions")))
+LLAMA_INFILL = register(LlamaNativeCodec("infill", ("/infill",)))
 
 
 def codecs() -> tuple[Codec, ...]:

@@ -59,8 +59,8 @@ class OpenAICodec:
 
     def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
         # The engine is asked on its OpenAI path (the first route, /v1/...) whatever alias
-        # the client used: on llama-server a bare /completions is its native API, whose
-        # stream and answer are not this format.
+        # the client used (/chat/completions); a bare /completions is not one of these
+        # routes: on llama-server it is the native API (proxy.codecs.llama_native).
         return parse_request(raw, self.endpoint, self.routes[0], max_messages=max_messages)
 
     def stream(self, client: ClientRequest, generation: Generation, *,

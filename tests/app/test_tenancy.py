@@ -17,8 +17,8 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 REFUSED = [
     ("POST", "/slots/0?action=erase"), ("POST", "/slots/0?action=save"),
-    ("POST", "/slots/0?action=restore"), ("GET", "/slots"), ("POST", "/completion"),
-    ("POST", "/infill"), ("GET", "/metrics"), ("GET", "/sessions"), ("GET", "/"),
+    ("POST", "/slots/0?action=restore"), ("GET", "/slots"),
+    ("GET", "/metrics"), ("GET", "/sessions"), ("GET", "/"),
     ("GET", "/_prefixpin/status.js"), ("POST", "/props"), ("GET", "/no-such-endpoint"),
     ("POST", "/v1/embeddings"), ("DELETE", "/v1/models"),
 ]
@@ -48,6 +48,17 @@ async def test_the_operator_address_given_is_the_one_named() -> None:
     async with running_proxy(admin_listen="[::1]:9999") as (client, _):
         response = await client.get("/slots")
     assert "operator port [::1]:9999 (--admin-listen)" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions", "/infill"])
+async def test_llama_servers_native_routes_are_the_pipelines(path: str) -> None:
+    """llama-server's native /completion, /completions and /infill are pipeline routes now
+    (the proxy's slot and cache controls; tests/unit/test_llama_native.py): not refused."""
+    async with running_proxy() as (client, _):
+        response = await client.post(path, json={"id_slot": 0, "prompt": "x",
+                                                 "input_prefix": "", "input_suffix": ""})
+    assert response.status_code != 403, response.text
+    assert "operator_only" not in response.text
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ALLOWED)

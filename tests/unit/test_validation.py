@@ -44,6 +44,7 @@ def test_a_minimal_chat_body_parses() -> None:
     (chat({"messages": [{"role": "assistant", "tool_calls": {}}]}), "tool_calls"),
     (chat({**GOOD, "stream": "yes"}), "'stream' must be a boolean"),
     (chat({**GOOD, "stream_options": 3}), "stream_options"),
+    (chat({**GOOD, "n": 2}), "'n' must be 1"),  # llama-server runs n_cmpl on other slots
     (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
 ])
 def test_bad_chat_bodies_are_rejected_with_a_reason(raw: bytes, fragment: str) -> None:
