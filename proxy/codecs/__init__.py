@@ -23,41 +23,36 @@ codec up with ``codec_of(client)`` and never asks which API it is.
 
 Registered today:
 
-    name                api     endpoint     routes
-    chat                openai  chat         /v1/chat/completions, /chat/completions
-    completions         openai  completions  /v1/completions
-    ollama-chat         ollama  chat         /api/chat
-    ollama-completions  ollama  completions  /api/generate
-    llama-completions   llama   completions  /completion, /completions
-    llama-infill        llama   infill       /infill
+    name                api        engine_api  endpoint     routes
+    chat                openai     openai      chat         /v1/chat/completions, /chat/completions
+    completions         openai     openai      completions  /v1/completions
+    ollama-chat         ollama     ollama      chat         /api/chat
+    ollama-completions  ollama     ollama      completions  /api/generate
+    anthropic           anthropic  openai      chat         /v1/messages
+    responses           responses  openai      chat         /v1/responses
+    llama-completions   llama      llama       completions  /completion, /completions
+    llama-infill        llama      llama       infill       /infill
 
-Adding an API (say Anthropic Messages, ``/v1/messages``; OpenAI Responses,
-``/v1/responses``) is adding a codec, not a branch:
+``engine_api`` is the API the engine is asked in. The Anthropic and Responses codecs
+convert their bodies to a chat body in ``parse`` (as llama-server converts them itself) and
+translate the engine's chat stream back, so any lane that serves chat serves them
+(``docs/design.md``, section 5, has the rules each conversion keeps).
 
-1. Name the format in ``proxy.validation.Api`` (``"anthropic"``, ``"responses"``); both are
-   conversations, so ``endpoint`` stays ``"chat"`` (what the planner, repair and the
-   metrics key on).
+Adding an API is adding a codec, not a branch:
+
+1. Name the format in ``proxy.validation.Api`` and give the codec its ``engine_api``; a
+   conversation keeps ``endpoint`` "chat" (what the planner, repair and the metrics key on).
 2. Write ``proxy/codecs/<format>.py`` with a class that has every member of ``Codec``
-   (mypy checks it at ``register``). ``parse`` may reuse ``proxy.validation``'s checks
-   (structure, messages, field types); the ``ClientRequest`` it returns carries ``api``
-   and its ``body`` is what the planner forwards to the engine. The planner, history
-   repair and fingerprints read ``body["messages"]`` (or ``body["prompt"]``) as OpenAI or
-   Ollama messages: a format that keeps its conversation elsewhere (Anthropic's top-level
-   ``system`` and content blocks, Responses' ``input`` items) needs them taught that
-   shape too; that part is not the codec's. ``stream`` returns the
-   encoder: a codec whose client bytes are the engine's own (same API on both sides)
-   passes ``frame.raw`` through, as the two here do; one in front of an engine that
-   speaks another API translates each frame in ``encode`` and keeps its position in the
-   encoder (one per client, made once per stream). ``encode`` is the hot path (once per
-   batch): no work per frame beyond choosing or rewriting it, constants built at import.
+   (mypy checks it at ``register``). ``parse`` reuses ``proxy.validation``'s checks; the
+   ``ClientRequest`` it returns carries ``api``, its ``body`` is what the planner forwards
+   (a chat body for a converted format, the client's own kept in ``source``). ``stream``
+   returns the per-client encoder; ``encode`` is the hot path (once per batch): no work
+   per frame beyond choosing or rewriting it, constants built at import.
 3. ``register(YourCodec(...))`` below, with its routes; ``register`` refuses a second
    codec with the same name, the same ``(api, endpoint)`` or a route already taken.
-4. Its routes are served from the registry (``proxy.app`` builds one route per
-   registered path, each calling ``router.handle(request, codec)``, which answers errors
-   in the codec's shape)
-   and add the api to ``serves`` of each engine kind that answers it (``proxy.engines``;
-   with no lane of such a kind the route is a 404 ``api_not_served``). ``routes()`` is the table of
-   every codec's paths; ``codec_at(path)`` gives the codec of one.
+4. Its routes are served from the registry (``proxy.app``); add its ``engine_api`` to
+   ``serves`` of each engine kind that answers it (``proxy.engines``; with no lane of
+   such a kind the route is a 404 ``api_not_served``).
 5. ``tests/unit/test_codecs.py`` checks the registry as it is; add the format's own wire
    tests (its clients' SDKs parse its stream, its whole body, its errors).
 """
