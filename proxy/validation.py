@@ -35,41 +35,42 @@ MAX_JSON_DEPTH = 100  # tool schemas nest a dozen levels; nothing real nests a h
 
 # The OpenAI request fields the proxy checks, by endpoint; null always passes (clients send
 # it for "unset"). Any other field is the engine's to judge and goes through unchanged.
-_INT, _NUMBER, _STR = "an integer", "a number", "a string"
-_BOOL, _OBJECT, _ARRAY = "a boolean", "an object", "an array"
+JSON_INT, JSON_NUMBER, JSON_STR = "an integer", "a number", "a string"
+JSON_BOOL, JSON_OBJECT, JSON_ARRAY = "a boolean", "an object", "an array"
 _COMMON_FIELDS: dict[str, tuple[str, ...]] = {
-    "model": (_STR,), "max_tokens": (_INT,), "n": (_INT,), "seed": (_INT,),
-    "temperature": (_NUMBER,), "top_p": (_NUMBER,), "presence_penalty": (_NUMBER,),
-    "frequency_penalty": (_NUMBER,), "stop": (_STR, _ARRAY), "user": (_STR,),
-    "logit_bias": (_OBJECT,),
+    "model": (JSON_STR,), "max_tokens": (JSON_INT,), "n": (JSON_INT,), "seed": (JSON_INT,),
+    "temperature": (JSON_NUMBER,), "top_p": (JSON_NUMBER,), "presence_penalty": (JSON_NUMBER,),
+    "frequency_penalty": (JSON_NUMBER,), "stop": (JSON_STR, JSON_ARRAY), "user": (JSON_STR,),
+    "logit_bias": (JSON_OBJECT,),
 }
 FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
-    "chat": {**_COMMON_FIELDS, "max_completion_tokens": (_INT,), "tools": (_ARRAY,),
-             "tool_choice": (_STR, _OBJECT), "parallel_tool_calls": (_BOOL,),
-             "response_format": (_OBJECT,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
-             "metadata": (_OBJECT,)},
-    "completions": {**_COMMON_FIELDS, "logprobs": (_INT,), "echo": (_BOOL,),
-                    "suffix": (_STR,), "best_of": (_INT,)},
+    "chat": {**_COMMON_FIELDS, "max_completion_tokens": (JSON_INT,), "tools": (JSON_ARRAY,),
+             "tool_choice": (JSON_STR, JSON_OBJECT), "parallel_tool_calls": (JSON_BOOL,),
+             "response_format": (JSON_OBJECT,), "logprobs": (JSON_BOOL,),
+             "top_logprobs": (JSON_INT,),
+             "metadata": (JSON_OBJECT,)},
+    "completions": {**_COMMON_FIELDS, "logprobs": (JSON_INT,), "echo": (JSON_BOOL,),
+                    "suffix": (JSON_STR,), "best_of": (JSON_INT,)},
 }
 MESSAGE_STRING_FIELDS = ("name", "tool_call_id", "reasoning_content")
 
 # Ollama's native request fields (api.ChatRequest, api.GenerateRequest): ``stream`` defaults
 # to true there, ``/api/generate``'s ``logprobs`` is a boolean and its ``context`` a token list.
 _NATIVE_COMMON: dict[str, tuple[str, ...]] = {
-    "model": (_STR,), "format": (_STR, _OBJECT), "options": (_OBJECT,),
-    "keep_alive": (_STR, _NUMBER), "think": (_BOOL, _STR), "logprobs": (_BOOL,),
-    "top_logprobs": (_INT,),
+    "model": (JSON_STR,), "format": (JSON_STR, JSON_OBJECT), "options": (JSON_OBJECT,),
+    "keep_alive": (JSON_STR, JSON_NUMBER), "think": (JSON_BOOL, JSON_STR), "logprobs": (JSON_BOOL,),
+    "top_logprobs": (JSON_INT,),
 }
 NATIVE_FIELD_TYPES: dict[Endpoint, dict[str, tuple[str, ...]]] = {
-    "chat": {**_NATIVE_COMMON, "tools": (_ARRAY,)},
-    "completions": {**_NATIVE_COMMON, "suffix": (_STR,), "system": (_STR,),
-                    "template": (_STR,), "context": (_ARRAY,), "raw": (_BOOL,),
-                    "images": (_ARRAY,)},
+    "chat": {**_NATIVE_COMMON, "tools": (JSON_ARRAY,)},
+    "completions": {**_NATIVE_COMMON, "suffix": (JSON_STR,), "system": (JSON_STR,),
+                    "template": (JSON_STR,), "context": (JSON_ARRAY,), "raw": (JSON_BOOL,),
+                    "images": (JSON_ARRAY,)},
 }
 
 # A UTF-16 surrogate escape (\uD800-\uDFFF) in the raw JSON: only then can the parsed body
 # hold a lone surrogate, so only then is it searched for one.
-_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _HUGE = 2.0**63  # orjson reads integers from here on (unsigned: 2**64) as floats
 
@@ -111,21 +112,21 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int) -> ClientRequest:
-    body = _parse_object(raw)
-    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    body = parse_object(raw)
+    check_structure(body, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
     if endpoint == "chat":
-        _check_messages(body.get("messages"), max_messages)
+        check_messages(body.get("messages"), max_messages)
     else:
         _check_prompt(body.get("prompt"))
-    _check_field_types(body, FIELD_TYPES[endpoint])
+    check_field_types(body, FIELD_TYPES[endpoint])
     _check_one_choice(body)
-    stream = _optional_bool(body, "stream")
+    stream = optional_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise BadRequestError("'stream_options' must be an object", param="stream_options")
     wants_usage = bool(options.get("include_usage")) if isinstance(options, Mapping) else False
     return ClientRequest(endpoint, path, body, stream, wants_usage,
-                         _optional_bool(body, "return_progress"))
+                         optional_bool(body, "return_progress"))
 
 
 def _check_one_choice(body: Mapping[str, Any]) -> None:
@@ -144,17 +145,17 @@ def parse_native_request(raw: bytes, endpoint: Endpoint, path: str, *,
     """An Ollama native body (``/api/chat``: messages; ``/api/generate``: a prompt). A
     body with no messages or an empty prompt (and no images) is a model load/unload
     request: marked ``lifecycle``, the rest of its body unchecked (Ollama judges it)."""
-    body = _parse_object(raw)
+    body = parse_object(raw)
     empty = not body.get("messages") if endpoint == "chat" else not body.get("prompt")
     if empty and not body.get("images"):
         return ClientRequest(endpoint, path, body, False, False, False, "ollama",
                              lifecycle=True)
-    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    check_structure(body, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
     if endpoint == "chat":
-        _check_messages(body.get("messages"), max_messages)
+        check_messages(body.get("messages"), max_messages)
     elif not isinstance(body.get("prompt"), str):
         raise BadRequestError("'prompt' must be a string", param="prompt")
-    _check_field_types(body, NATIVE_FIELD_TYPES[endpoint])
+    check_field_types(body, NATIVE_FIELD_TYPES[endpoint])
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequestError("'stream' must be a boolean", param="stream")
@@ -175,7 +176,7 @@ def without_engine_controls(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def _parse_object(raw: bytes) -> dict[str, Any]:
+def parse_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequestError("request body is empty; expected a JSON object")
     value = _parse_fast(raw)
@@ -239,7 +240,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
+def check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
     """Nesting depth, level by level over the containers only (no recursion: a hostile
     body cannot exhaust the stack here either; strings are not visited, so a large
     conversation costs little), and lone surrogates when the raw body has escapes."""
@@ -273,7 +274,7 @@ def _check_surrogates(body: dict[str, Any]) -> None:
                                   "(\\uD800-\\uDFFF): not valid Unicode text")
 
 
-def _check_field_types(body: Mapping[str, Any], types: Mapping[str, tuple[str, ...]]) -> None:
+def check_field_types(body: Mapping[str, Any], types: Mapping[str, tuple[str, ...]]) -> None:
     for name, allowed in types.items():
         value = body.get(name)
         if value is not None and not any(_is_type(value, kind) for kind in allowed):
@@ -283,29 +284,29 @@ def _check_field_types(body: Mapping[str, Any], types: Mapping[str, tuple[str, .
 
 def _is_type(value: object, kind: str) -> bool:
     if isinstance(value, bool):
-        return kind == _BOOL
-    if kind == _INT:
+        return kind == JSON_BOOL
+    if kind == JSON_INT:
         return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if kind == _NUMBER:
+    if kind == JSON_NUMBER:
         return isinstance(value, int | float)
-    if kind == _STR:
+    if kind == JSON_STR:
         return isinstance(value, str)
-    if kind == _OBJECT:
+    if kind == JSON_OBJECT:
         return isinstance(value, dict)
-    return kind == _ARRAY and isinstance(value, list)
+    return kind == JSON_ARRAY and isinstance(value, list)
 
 
 def _json_type(value: object) -> str:
     if isinstance(value, bool):
-        return _BOOL
+        return JSON_BOOL
     if isinstance(value, int | float):
-        return _NUMBER
+        return JSON_NUMBER
     if isinstance(value, str):
-        return _STR
-    return _OBJECT if isinstance(value, dict) else _ARRAY
+        return JSON_STR
+    return JSON_OBJECT if isinstance(value, dict) else JSON_ARRAY
 
 
-def _check_messages(messages: object, max_messages: int) -> None:
+def check_messages(messages: object, max_messages: int) -> None:
     if not isinstance(messages, list):
         raise BadRequestError("'messages' is required and must be an array", param="messages")
     if not messages:
@@ -375,7 +376,7 @@ def _check_prompt(prompt: object) -> None:
                           param="prompt")
 
 
-def _optional_bool(body: Mapping[str, Any], name: str) -> bool:
+def optional_bool(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
@@ -401,16 +402,16 @@ def parse_llama_request(raw: bytes, endpoint: Endpoint, path: str) -> ClientRequ
     ``/completions``: a ``prompt``, in any of the forms llama-server reads) or "infill"
     (``/infill``: ``input_prefix``, ``input_suffix``, optional ``input_extra`` chunks and
     ``prompt``). ``stream`` defaults to false, as on llama-server."""
-    body = _parse_object(raw)
+    body = parse_object(raw)
     for key in LLAMA_NATIVE_CONTROLS:
         body.pop(key, None)
-    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    check_structure(body, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
     if endpoint == "infill":
         _check_infill(body)
     else:
         _check_native_prompt(body.get("prompt"))
-    return ClientRequest(endpoint, path, body, _optional_bool(body, "stream"), False,
-                         _optional_bool(body, "return_progress"), "llama")
+    return ClientRequest(endpoint, path, body, optional_bool(body, "stream"), False,
+                         optional_bool(body, "return_progress"), "llama")
 
 
 def _check_native_prompt(prompt: object) -> None:

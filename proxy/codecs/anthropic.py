@@ -59,15 +59,15 @@ from proxy.codecs.anthropic_convert import (
 )
 from proxy.generation import Generation
 from proxy.validation import (
-    _SURROGATE_ESCAPE,
     FIELD_TYPES,
+    SURROGATE_ESCAPE,
     Api,
     ClientRequest,
     Endpoint,
-    _check_field_types,
-    _check_messages,
-    _check_structure,
-    _parse_object,
+    check_field_types,
+    check_messages,
+    check_structure,
+    parse_object,
 )
 
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -149,8 +149,8 @@ class AnthropicCodec:
 
 def parse_messages(raw: bytes, *, max_messages: int) -> ClientRequest:
     """The client's Anthropic body, checked, and the chat body it converts to."""
-    body = _parse_object(raw)
-    _check_structure(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    body = parse_object(raw)
+    check_structure(body, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
     check_request(body, max_messages)
     converted = convert_request(body)
     messages = converted["messages"]
@@ -160,8 +160,8 @@ def parse_messages(raw: bytes, *, max_messages: int) -> ClientRequest:
     if len(messages) > max_messages:
         raise _bad(f"'messages' converts to {len(messages)} chat messages (each tool result "
                    f"is one); the limit is {max_messages}", "messages")
-    _check_messages(messages, max_messages)
-    _check_field_types(converted, FIELD_TYPES["chat"])
+    check_messages(messages, max_messages)
+    check_field_types(converted, FIELD_TYPES["chat"])
     return ClientRequest("chat", ENGINE_PATH, converted, body.get("stream") is True,
                          False, False, "anthropic", source=body)
 

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from core.errors import BadRequestError
+from proxy.validation import JSON_ARRAY, JSON_BOOL, JSON_INT, JSON_NUMBER, JSON_OBJECT, JSON_STR
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 _CCH_LENGTH = 5
@@ -55,14 +56,13 @@ DEFAULT_THINKING_BUDGET = 10000
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 ROLES = ("user", "assistant", "system")  # "system": Claude Code 2.1 sends one in messages
 
-_INT, _NUMBER, _STR = "an integer", "a number", "a string"
-_BOOL, _OBJECT, _ARRAY = "a boolean", "an object", "an array"
 # The Anthropic request fields the proxy checks; null passes (the engine's default).
 FIELD_TYPES: dict[str, tuple[str, ...]] = {
-    "model": (_STR,), "max_tokens": (_INT,), "stream": (_BOOL,), "system": (_STR, _ARRAY),
-    "tools": (_ARRAY,), "tool_choice": (_OBJECT,), "stop_sequences": (_ARRAY,),
-    "temperature": (_NUMBER,), "top_p": (_NUMBER,), "top_k": (_INT,),
-    "metadata": (_OBJECT,), "thinking": (_OBJECT,), "chat_template_kwargs": (_OBJECT,),
+    "model": (JSON_STR,), "max_tokens": (JSON_INT,), "stream": (JSON_BOOL,),
+    "system": (JSON_STR, JSON_ARRAY),
+    "tools": (JSON_ARRAY,), "tool_choice": (JSON_OBJECT,), "stop_sequences": (JSON_ARRAY,),
+    "temperature": (JSON_NUMBER,), "top_p": (JSON_NUMBER,), "top_k": (JSON_INT,),
+    "metadata": (JSON_OBJECT,), "thinking": (JSON_OBJECT,), "chat_template_kwargs": (JSON_OBJECT,),
 }
 
 
@@ -259,7 +259,7 @@ def check_request(body: Mapping[str, Any], max_messages: int) -> None:
         value = body.get(name)
         if value is not None and not any(_is_type(value, kind) for kind in allowed):
             _refuse(name, f"must be {' or '.join(allowed)}, got {_json_type(value)}")
-    _check_messages(body.get("messages"), max_messages)
+    check_messages(body.get("messages"), max_messages)
     system = body.get("system")
     if isinstance(system, list):
         for index, block in enumerate(system):
@@ -278,7 +278,7 @@ def check_request(body: Mapping[str, Any], max_messages: int) -> None:
         _refuse("stop_sequences", "must be an array of strings")
 
 
-def _check_messages(messages: object, max_messages: int) -> None:
+def check_messages(messages: object, max_messages: int) -> None:
     if not isinstance(messages, list):
         _refuse("messages", "is required and must be an array")
     if not messages:
@@ -325,26 +325,26 @@ def _refuse(field: str, what: str) -> NoReturn:
 
 def _is_type(value: object, kind: str) -> bool:
     if isinstance(value, bool):
-        return kind == _BOOL
-    if kind == _INT:
+        return kind == JSON_BOOL
+    if kind == JSON_INT:
         return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if kind == _NUMBER:
+    if kind == JSON_NUMBER:
         return isinstance(value, int | float)
-    if kind == _STR:
+    if kind == JSON_STR:
         return isinstance(value, str)
-    if kind == _OBJECT:
+    if kind == JSON_OBJECT:
         return isinstance(value, dict)
-    return kind == _ARRAY and isinstance(value, list)
+    return kind == JSON_ARRAY and isinstance(value, list)
 
 
 def _json_type(value: object) -> str:
     if isinstance(value, bool):
-        return _BOOL
+        return JSON_BOOL
     if isinstance(value, int | float):
-        return _NUMBER
+        return JSON_NUMBER
     if isinstance(value, str):
-        return _STR
-    return _OBJECT if isinstance(value, dict) else _ARRAY
+        return JSON_STR
+    return JSON_OBJECT if isinstance(value, dict) else JSON_ARRAY
 
 
 # -- the answer --------------------------------------------------------------------------

@@ -96,38 +96,39 @@ from proxy.codecs.responses_convert import (
 )
 from proxy.generation import Generation
 from proxy.validation import (
-    _ARRAY,
-    _BOOL,
-    _INT,
-    _NUMBER,
-    _OBJECT,
-    _STR,
-    _SURROGATE_ESCAPE,
     FIELD_TYPES,
+    JSON_ARRAY,
+    JSON_BOOL,
+    JSON_INT,
+    JSON_NUMBER,
+    JSON_OBJECT,
+    JSON_STR,
+    SURROGATE_ESCAPE,
     Api,
     ClientRequest,
     Endpoint,
-    _check_field_types,
-    _check_messages,
-    _check_structure,
-    _optional_bool,
-    _parse_object,
+    check_field_types,
+    check_messages,
+    check_structure,
+    optional_bool,
+    parse_object,
 )
 
 ENGINE_PATH = "/v1/chat/completions"
 # The Responses request fields the proxy checks; null always passes. ``input`` and
 # ``tools`` are checked by the conversion, item by item.
 FIELD_TYPES_RESPONSES: dict[str, tuple[str, ...]] = {
-    "model": (_STR,), "instructions": (_STR,), "max_output_tokens": (_INT,),
-    "temperature": (_NUMBER,), "top_p": (_NUMBER,), "top_logprobs": (_INT,),
-    "max_tool_calls": (_INT,), "tool_choice": (_STR, _OBJECT), "parallel_tool_calls": (_BOOL,),
-    "reasoning": (_OBJECT,), "text": (_OBJECT,), "metadata": (_OBJECT,),
-    "stream_options": (_OBJECT,), "include": (_ARRAY,), "user": (_STR,),
-    "prompt_cache_key": (_STR,), "store": (_BOOL,), "background": (_BOOL,),
-    "service_tier": (_STR,), "truncation": (_STR,), "safety_identifier": (_STR,),
-    "tools": (_ARRAY,),
+    "model": (JSON_STR,), "instructions": (JSON_STR,), "max_output_tokens": (JSON_INT,),
+    "temperature": (JSON_NUMBER,), "top_p": (JSON_NUMBER,), "top_logprobs": (JSON_INT,),
+    "max_tool_calls": (JSON_INT,), "tool_choice": (JSON_STR, JSON_OBJECT),
+    "parallel_tool_calls": (JSON_BOOL,),
+    "reasoning": (JSON_OBJECT,), "text": (JSON_OBJECT,), "metadata": (JSON_OBJECT,),
+    "stream_options": (JSON_OBJECT,), "include": (JSON_ARRAY,), "user": (JSON_STR,),
+    "prompt_cache_key": (JSON_STR,), "store": (JSON_BOOL,), "background": (JSON_BOOL,),
+    "service_tier": (JSON_STR,), "truncation": (JSON_STR,), "safety_identifier": (JSON_STR,),
+    "tools": (JSON_ARRAY,),
 }
-_REASONING_FIELDS = {"effort": (_STR,), "summary": (_STR,)}
+_REASONING_FIELDS = {"effort": (JSON_STR,), "summary": (JSON_STR,)}
 
 _CHUNK, _USAGE, _PROGRESS, _DONE = (FrameKind.CHUNK, FrameKind.USAGE, FrameKind.PROGRESS,
                                     FrameKind.DONE)
@@ -158,14 +159,14 @@ class ResponsesCodec:
         return "ResponsesCodec()"
 
     def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
-        source = _parse_object(raw)
-        _check_structure(source, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
-        _check_field_types(source, FIELD_TYPES_RESPONSES)
+        source = parse_object(raw)
+        check_structure(source, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
+        check_field_types(source, FIELD_TYPES_RESPONSES)
         reasoning = source.get("reasoning")
         if isinstance(reasoning, Mapping):
-            _check_field_types({f"reasoning.{k}": v for k, v in reasoning.items()},
+            check_field_types({f"reasoning.{k}": v for k, v in reasoning.items()},
                                {f"reasoning.{k}": t for k, t in _REASONING_FIELDS.items()})
-        stream = _optional_bool(source, "stream")
+        stream = optional_bool(source, "stream")
         body = to_chat(source)
         messages = body["messages"]
         if not messages:
@@ -173,10 +174,10 @@ class ResponsesCodec:
         if len(messages) > max_messages:
             raise BadRequestError(f"'input' makes {len(messages)} messages; the limit is "
                                   f"{max_messages}", param="input")
-        _check_messages(messages, max_messages)
-        _check_field_types(body, FIELD_TYPES["chat"])
+        check_messages(messages, max_messages)
+        check_field_types(body, FIELD_TYPES["chat"])
         return ClientRequest("chat", ENGINE_PATH, body, stream, True,
-                             _optional_bool(source, "return_progress"), "responses",
+                             optional_bool(source, "return_progress"), "responses",
                              source=source)
 
     def stream(self, client: ClientRequest, generation: Generation, *,
