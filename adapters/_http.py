@@ -21,6 +21,9 @@ from core.errors import (
 # A request extension marking a client's request forwarded as it came (``proxy.passthrough``):
 # it carries the client's own credentials, never the engine key.
 FORWARDED = "prefixpin.forwarded"
+# A request extension marking an operator's request forwarded by the operator listener: the
+# operator is trusted with the engine, so it carries the engine key when it brings none.
+OPERATOR = "prefixpin.operator"
 # The headers an engine authenticates a request with: llama-server's --api-key takes
 # ``Authorization: Bearer <key>``, else ``X-Api-Key: <key>`` (Anthropic's header).
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
@@ -47,6 +50,8 @@ class EngineKey(httpx.Auth):
         self._base = base_path.rstrip("/")
 
     def is_own(self, request: httpx.Request) -> bool:
+        if request.extensions.get(OPERATOR):
+            return True
         if request.extensions.get(FORWARDED):
             return False
         path = request.url.path

@@ -233,7 +233,7 @@ def _passthrough(holder: StateHolder, path: str | None, *,
     async def handle(request: Request) -> Response:
         lane = holder.get().router.lane_for_passthrough()
         return await forward(request, lane.service.backend.adapter.http, path=path,
-                             drop_headers=dropped)
+                             drop_headers=dropped, operator=path is None)
 
     return handle
 

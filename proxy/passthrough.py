@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from adapters._http import FORWARDED, map_httpx_errors
+from adapters._http import FORWARDED, OPERATOR, map_httpx_errors
 from proxy.paths import PathRejected, is_canonical
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to one connection, never forwarded.
@@ -37,11 +37,14 @@ TENANT_PATHS: dict[str, str] = {
 
 async def forward(request: Request, http: httpx.AsyncClient,
                   content: bytes | None = None, *, path: str | None = None,
-                  drop_headers: Iterable[str] = ()) -> StreamingResponse:
+                  drop_headers: Iterable[str] = (), operator: bool = False
+                  ) -> StreamingResponse:
     """The request as it came (its body streamed, or ``content`` when the caller already
     read it), and the engine's answer streamed back as it comes. ``path``: the engine path
     to send it to (default the request's); ``drop_headers``: request headers (lower case)
-    not forwarded besides the hop-by-hop ones."""
+    not forwarded besides the hop-by-hop ones; ``operator``: the operator listener's
+    request, which carries the engine key (``--engine-api-key``) when it brings no
+    credentials of its own."""
     dropped = HOP_BY_HOP.union(drop_headers)
     # The raw header bytes: a non-ASCII value (which httpx would refuse as str) goes through.
     headers = [(k, v) for k, v in request.headers.raw
@@ -57,7 +60,7 @@ async def forward(request: Request, http: httpx.AsyncClient,
     upstream_request = http.build_request(
         request.method, httpx.URL(path=target, query=request.url.query.encode()),
         headers=headers, content=_body(request) if content is None else content,
-        extensions={FORWARDED: True},
+        extensions={OPERATOR: True} if operator else {FORWARDED: True},
     )
     if not upstream_request.url.raw_path.partition(b"?")[0].endswith(target.encode()):
         raise PathRejected("it would not reach the engine as it was routed")

@@ -50,7 +50,7 @@ def serve(settings: Settings) -> int:
     # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
     # traceback on the user's terminal.
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve_both(tenant, operator))
+        asyncio.run(serve_both(tenant, operator))
         for caught in reversed(tenant.caught):
             signal.raise_signal(caught)
     return 0 if tenant.started and operator.started else 1
@@ -94,7 +94,7 @@ class _Leader(uvicorn.Server):
         self.follower.force_exit = self.force_exit
 
 
-async def _serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
+async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
     """Both servers until either stops (a signal, a port that cannot be bound, a lifespan
     that fails): then the other stops too."""
     async def run(server: uvicorn.Server, other: uvicorn.Server) -> None:

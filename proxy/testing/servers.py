@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -13,6 +14,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from proxy.app import ProxyApps
+from proxy.server import serve_both
 
 
 class _Server(uvicorn.Server):
@@ -64,9 +66,34 @@ class ServedURL(str):
 
 
 @contextlib.contextmanager
-def serve_proxy(apps: ProxyApps, **options: Any) -> Iterator[ServedURL]:
-    """Both listeners of ``apps`` under uvicorn, the tenant's first (its lifespan opens the
-    router the operator's views read)."""
-    with serve_in_thread(apps.tenant_listener, **options) as url, \
-            serve_in_thread(apps.operator_listener, **options) as admin:
-        yield ServedURL(url, admin)
+def serve_proxy(apps: ProxyApps, *, startup_timeout: float = 30.0,
+                **options: Any) -> Iterator[ServedURL]:
+    """Both listeners of ``apps`` under two uvicorn servers in one event loop, as
+    ``prefixpin serve`` runs them (``proxy.server``): the operator listener forwards
+    through the lanes' engine clients, which belong to the loop the tenant's lifespan
+    opened them in."""
+    ports = free_port(), free_port()
+    def config(app: ASGIApp, port: int, *, lifespan: bool) -> uvicorn.Config:
+        return uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                              access_log=False, timeout_graceful_shutdown=3,
+                              lifespan="on" if lifespan else "off", **options)
+
+    servers = (_Server(config(apps.tenant_listener, ports[0], lifespan=True)),
+               _Server(config(apps.operator_listener, ports[1], lifespan=False)))
+
+    def run() -> None:
+        asyncio.run(serve_both(*servers))
+
+    thread = threading.Thread(target=run, name=f"uvicorn-{ports[0]}+{ports[1]}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not all(server.started for server in servers):
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn on ports {ports} did not start")
+        time.sleep(0.01)
+    try:
+        yield ServedURL(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+    finally:
+        for server in servers:
+            server.should_exit = True
+        thread.join(15)

@@ -234,6 +234,20 @@ def test_clients_bring_their_own_key(keyed: LlamaServerProcess) -> None:
     assert props.json()["total_slots"] == 2
 
 
+@pytest.mark.llama
+def test_the_operator_listener_reaches_a_keyed_engine_with_the_engine_key(
+        keyed: LlamaServerProcess) -> None:
+    """The operator is trusted with the engine: its forwards (/slots here) carry the engine
+    key when they bring no credentials; the tenant port never lends it (a keyless /props
+    there is the engine's 401)."""
+    with serve_proxy(create_apps(Settings(upstream=keyed.url, engine_api_key=KEY))) as url:
+        slots = httpx.get(f"{url.admin}/slots", timeout=30)
+        tenant = httpx.get(f"{url}/props", timeout=30)
+    assert slots.status_code == 200, slots.text
+    assert len(slots.json()) == 2
+    assert tenant.status_code == 401
+
+
 # ---------------------------------------------------------------- whole answers
 
 def comparable(body: dict[str, Any]) -> dict[str, Any]:
