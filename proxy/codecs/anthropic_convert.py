@@ -177,13 +177,25 @@ def convert_message(message: Mapping[str, Any]) -> list[dict[str, Any]]:
                             "content": _tool_result_content(block.get("content"))})
     out: list[dict[str, Any]] = []
     if parts or calls or reasoning:
-        converted: dict[str, Any] = {"role": role, "content": parts or ""}
+        converted: dict[str, Any] = {"role": role, "content": _one_text(parts) or ""}
         if calls:
             converted["tool_calls"] = calls
         if reasoning:
             converted["reasoning_content"] = reasoning
         out.append(converted)
     return out + results
+
+
+def _one_text(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A content of one plain text part as that text: every chat template renders the two
+    alike (llama.cpp joins text parts into the string, or wraps a string as the one
+    part), and Claude Code sends an earlier message as one block in one turn and as a
+    string in the next (its environment message, once its cache_control moved on): the
+    committed history must not see a change there (a parked session would be declined)."""
+    if len(parts) == 1 and parts[0].keys() == {"type", "text"} and isinstance(
+            parts[0]["text"], str):
+        return str(parts[0]["text"])
+    return parts
 
 
 def dump_json(value: Any) -> str:

@@ -309,3 +309,60 @@ def test_the_sdk_raises_an_engine_failure_mid_stream(
     assert isinstance(raised.value.body, dict)
     assert raised.value.body["type"] == "error"
     assert raised.value.body["error"]["type"] == "api_error"
+
+
+# ------------------------------------------------- parked sessions (one slot, no host cache)
+
+@pytest.fixture(scope="module")
+def one_slot() -> Iterator[LlamaServerProcess]:
+    """One slot and no host-RAM prompt cache: a session evicted by another comes back
+    only through prefixpin's parking (the engine's own slot save directory)."""
+    from tests.rig.llama_process import run_llama_server
+
+    with run_llama_server("smollm2", slots=1, ctx_per_slot=4096,
+                          extra=("--cache-ram", "0")) as handle:
+        yield handle
+
+
+def claude_turn(session: str, turn: int, answers: list[Any]) -> dict[str, Any]:
+    """A Claude Code request: its environment as a system-role message (a block list with
+    cache_control on turn 1, the same text as a plain string afterwards, as Claude Code
+    2.1 sends it), the answers so far echoed back as blocks, the marker on the newest
+    user message, its session in metadata.user_id."""
+    environment = f"# Environment\nWorking directory: /work/{session}\n" + filler(400)
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"},
+            {"type": "text", "text": f"Say hello to {session}."}]},
+        {"role": "system", "content": [{"type": "text", "text": environment,
+                                        "cache_control": EPHEMERAL}]
+         if turn == 1 else environment}]
+    for index, answer in enumerate(answers):
+        messages.append({"role": "assistant", "content": answer.content})
+        messages.append({"role": "user", "content": [{"type": "text",
+                                                      "text": f"Turn {index + 2}, go on."}]})
+    messages[-1]["content"][-1]["cache_control"] = EPHEMERAL
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": session})
+    return request(messages, metadata={"user_id": user_id})
+
+
+def test_an_evicted_claude_code_session_is_restored_from_its_parked_slot(
+        one_slot: LlamaServerProcess, run_proxy: ProxyRunner) -> None:
+    """Two Claude Code sessions on one slot, the engine's host cache off: each turn evicts
+    the other session, which prefixpin parks; the returning session is restored and reads
+    its whole previous prompt from cache, although Claude Code rewrote an earlier message
+    (its environment, from blocks to a string) and moved its cache_control marker."""
+    with run_proxy(upstream=one_slot.url) as url:
+        answers: dict[str, list[Any]] = {"ann": [], "bob": []}
+        prompts: dict[str, int] = {}
+        for turn in (1, 2, 3):
+            for session in ("ann", "bob"):
+                message = client(url).messages.create(
+                    **claude_turn(session, turn, answers[session]))
+                if turn > 1:
+                    cached = message.usage.cache_read_input_tokens or 0
+                    assert cached >= prompts[session] - 32, (session, turn, message.usage)
+                prompts[session] = prompt_tokens(message)
+                answers[session].append(message)
+        metrics = httpx.get(f"{url.admin}/metrics", timeout=10).text
+    assert 'prefixpin_restores_total{outcome="restored"} 4.0' in metrics

@@ -338,13 +338,13 @@ def test_messages_convert_as_llama_server_converts_them() -> None:
             {"type": "text", "text": "Fix it."},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
             {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Looking."}],
+        {"role": "assistant", "content": "Looking.",
          "tool_calls": [
              {"id": "t1", "type": "function", "function": {
                  "name": "read", "arguments": '{"z":1,"a":["é",2.5],"n":null}'}},
              {"id": "t2", "type": "function", "function": {"name": "ls", "arguments": "{}"}}],
          "reasoning_content": "Look first. Then act."},
-        {"role": "user", "content": [{"type": "text", "text": "Go on."}]},
+        {"role": "user", "content": "Go on."},
         {"role": "tool", "tool_call_id": "t1", "content": "file body"},
         {"role": "tool", "tool_call_id": "t2", "content": "ab"},
         {"role": "tool", "tool_call_id": "t3", "content": [
@@ -378,9 +378,18 @@ def test_cache_control_is_dropped_so_a_moved_marker_changes_no_message() -> None
         {"role": "user", "content": [{"type": "text", "text": "one"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
         {"role": "user", "content": [{"type": "text", "text": "two", "cache_control": marked}]}]})
-    assert turn_one["messages"][0] == turn_two["messages"][0] == {
-        "role": "user", "content": [{"type": "text", "text": "one"}]}
+    turn_three = converted({"messages": [{"role": "user", "content": "one"}]})
+    # one text block is its text: Claude Code sends an earlier message as a block in one
+    # turn and as a string in the next
+    assert turn_one["messages"][0] == turn_two["messages"][0] == turn_three["messages"][0] == {
+        "role": "user", "content": "one"}
     assert digest(turn_one["messages"][0]) == digest(turn_two["messages"][0])
+    two_parts = converted({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>r</system-reminder>"},
+        {"type": "text", "text": "one", "cache_control": marked}]}]})
+    assert two_parts["messages"][0]["content"] == [
+        {"type": "text", "text": "<system-reminder>r</system-reminder>"},
+        {"type": "text", "text": "one"}]
     assert "cache_control" not in json.dumps(turn_two)
 
 
@@ -869,7 +878,7 @@ def test_reply_is_the_echoed_answer_after_conversion(raw: bytes) -> None:
 
 def test_reply_of_blocks_is_one_assistant_message() -> None:
     assert CODEC.reply(frames_of(BLOCKS)) == {
-        "role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
+        "role": "assistant", "content": "Let me check.",
         "tool_calls": [
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"location":"Paris"}'}},
