@@ -260,6 +260,10 @@ class ResponsesStream:
         self._calls: dict[int, _Item] = {}
         self._reasoning_chunks = 0
         self._timings: Mapping[str, Any] | None = None
+        # llama-server's per-token telemetry, on each delta event, for a client that asked
+        # (``timings_per_token``): the timings of the chunk being translated
+        self._per_token = bool((client.source or {}).get("timings_per_token"))
+        self._chunk_timings: dict[str, Any] = {}
 
     # --- the hot path -----------------------------------------------------------------
 
@@ -295,6 +299,9 @@ class ResponsesStream:
         if data is None or self._finished:
             return
         self._note(frame)
+        if self._per_token:
+            timings = data.get("timings")
+            self._chunk_timings = {"timings": timings} if isinstance(timings, Mapping) else {}
         choices = data.get("choices")
         if not isinstance(choices, list):
             return
@@ -330,7 +337,7 @@ class ResponsesStream:
         item.text.append(text)
         self._emit(out, "response.reasoning_text.delta", {
             "item_id": item.id, "output_index": item.index, "content_index": 0,
-            "delta": text})
+            "delta": text, **self._chunk_timings})
 
     def _text_delta(self, text: str, out: list[bytes]) -> None:
         self._start(out)
@@ -345,7 +352,7 @@ class ResponsesStream:
         item.text.append(text)
         self._emit(out, "response.output_text.delta", {
             "item_id": item.id, "output_index": item.index, "content_index": 0,
-            "delta": text, "logprobs": []})
+            "delta": text, "logprobs": [], **self._chunk_timings})
 
     def _call_delta(self, call: Mapping[str, Any], out: list[bytes]) -> None:
         self._start(out)

@@ -608,6 +608,24 @@ def test_progress_and_pings_are_silent_unless_asked() -> None:
     assert {data["response"]["status"] for _, data in events} == {"in_progress"}
 
 
+def test_per_token_timings_ride_on_the_delta_events_when_asked() -> None:
+    """llama-server's ``timings_per_token`` puts the engine's timings on every chunk; its
+    own /v1/responses copies them onto each delta event, and so does this codec (found by
+    llama.cpp's test_responses_stream_with_llama_telemetry). Unasked, no delta has them."""
+    raw = chunk({"content": "Hi"}, timings=TIMINGS) + chunk({"content": "!"}, timings=TIMINGS) \
+        + chunk(finish="stop") + usage_chunk({"prompt_tokens": 3, "completion_tokens": 2,
+                                               "total_tokens": 5}, TIMINGS) + DONE
+    asked = [data for kind, data in events_of(live_stream(
+        raw, client=parse({**USER, "timings_per_token": True})))
+        if kind == "response.output_text.delta"]
+    assert [d["delta"] for d in asked] == ["Hi", "!"]
+    assert all(d["timings"] == TIMINGS for d in asked)
+    plain = [data for kind, data in events_of(live_stream(raw))
+             if kind == "response.output_text.delta"]
+    assert [d["delta"] for d in plain] == ["Hi", "!"]
+    assert not any("timings" in d for d in plain)
+
+
 def test_cached_tokens_are_filled_only_where_the_engine_measures_them() -> None:
     bare = RECORDED.replace(b',"prompt_tokens_details":{"cached_tokens":31}', b"")
     filled = events_of(live_stream(bare))[-1][1]["response"]["usage"]
