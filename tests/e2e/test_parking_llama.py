@@ -307,7 +307,7 @@ def test_a_request_finding_every_slot_busy_waits_with_heartbeats_then_gets_503(
         waited = time.monotonic() - started
         streamed = stream_chat(url, {"messages": [{"role": "user", "content": "hello"}],
                                      "max_tokens": 4})
-        assert metric(url.admin, "prefixpin_requests_total", endpoint="chat",
+        assert metric(url.admin, "prefixpin_requests_total", api="openai", endpoint="chat",
                       outcome="queue_timeout") == 2
     for thread in runners:
         thread.join(60)
