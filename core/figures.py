@@ -105,26 +105,12 @@ def _sum(counts: Sequence[int | None]) -> int | None:
 
 
 def _llama_final(data: Mapping[str, Any], progress: Progress | None) -> Figures:
-    timings = mapping_of(data.get("timings"))
-    prompt = count_of(data.get("tokens_evaluated"))
-    prompt_n = count_of(timings.get("prompt_n"))
-    if prompt is None and prompt_n is not None:
-        prompt = prompt_n + (count_of(timings.get("cache_n")) or 0)
-    if prompt is None and progress is not None:
-        prompt = progress.total
-    cached = _integer(timings.get("cache_n"))
-    if cached is None and progress is not None:
-        cached = progress.cache
-    if cached is not None:
-        cached = max(0, min(cached, prompt) if prompt is not None else cached)
-    completion = count_of(data.get("tokens_predicted"))
-    return Figures(
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        prompt_ms=_duration(timings.get("prompt_ms")),
-        completion_tokens=completion if completion is not None else count_of(
-            timings.get("predicted_n")),
-    )
+    """One native final event: its ``tokens_evaluated`` and ``tokens_predicted`` are the
+    chat usage's prompt and completion counts (it has no ``cached_tokens``), the rest as
+    for chat."""
+    usage = {"prompt_tokens": data.get("tokens_evaluated"),
+             "completion_tokens": data.get("tokens_predicted")}
+    return _combine(usage, mapping_of(data.get("timings")), progress)
 
 
 def _nanoseconds_as_ms(value: object) -> float | None:

@@ -49,7 +49,6 @@ from starlette.responses import JSONResponse, Response
 from core.errors import BadRequestError, ProxyError
 from core.figures import Figures, count_of, figures_from, mapping_of
 from core.frames import Frame, FrameKind
-from core.sse import encode_comment
 from proxy.aggregate import aggregate
 from proxy.codecs.anthropic_convert import (
     answer_blocks,
@@ -57,6 +56,7 @@ from proxy.codecs.anthropic_convert import (
     convert_message,
     convert_request,
 )
+from proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from proxy.generation import Generation
 from proxy.validation import (
     FIELD_TYPES,
@@ -70,9 +70,6 @@ from proxy.validation import (
     parse_object,
 )
 
-SSE_MEDIA_TYPE = "text/event-stream"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-OPENING = encode_comment("prefixpin")
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 ENGINE_PATH = "/v1/chat/completions"
 

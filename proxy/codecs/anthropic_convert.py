@@ -47,7 +47,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from core.errors import BadRequestError
-from proxy.validation import JSON_ARRAY, JSON_BOOL, JSON_INT, JSON_NUMBER, JSON_OBJECT, JSON_STR
+from proxy.validation import (
+    JSON_ARRAY,
+    JSON_BOOL,
+    JSON_INT,
+    JSON_NUMBER,
+    JSON_OBJECT,
+    JSON_STR,
+    check_field_types,
+)
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 _CCH_LENGTH = 5
@@ -267,10 +275,7 @@ def _integer(value: object, default: int) -> int:
 
 def check_request(body: Mapping[str, Any], max_messages: int) -> None:
     """The Anthropic body's own rules, each refusal naming its field."""
-    for name, allowed in FIELD_TYPES.items():
-        value = body.get(name)
-        if value is not None and not any(_is_type(value, kind) for kind in allowed):
-            _refuse(name, f"must be {' or '.join(allowed)}, got {_json_type(value)}")
+    check_field_types(body, FIELD_TYPES)
     check_messages(body.get("messages"), max_messages)
     system = body.get("system")
     if isinstance(system, list):
@@ -333,30 +338,6 @@ def _check_block(where: str, block: object) -> None:
 
 def _refuse(field: str, what: str) -> NoReturn:
     raise BadRequestError(f"'{field}' {what}", param=field)
-
-
-def _is_type(value: object, kind: str) -> bool:
-    if isinstance(value, bool):
-        return kind == JSON_BOOL
-    if kind == JSON_INT:
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if kind == JSON_NUMBER:
-        return isinstance(value, int | float)
-    if kind == JSON_STR:
-        return isinstance(value, str)
-    if kind == JSON_OBJECT:
-        return isinstance(value, dict)
-    return kind == JSON_ARRAY and isinstance(value, list)
-
-
-def _json_type(value: object) -> str:
-    if isinstance(value, bool):
-        return JSON_BOOL
-    if isinstance(value, int | float):
-        return JSON_NUMBER
-    if isinstance(value, str):
-        return JSON_STR
-    return JSON_OBJECT if isinstance(value, dict) else JSON_ARRAY
 
 
 # -- the answer --------------------------------------------------------------------------
