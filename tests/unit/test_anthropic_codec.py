@@ -12,15 +12,13 @@ answers on ``/v1/messages`` (recorded from the same build).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import SimpleNamespace
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import anthropic
 import httpx2
 import pytest
 
-from adapters._openai_sse import classify
 from core.errors import (
     BadRequestError,
     ClientError,
@@ -36,11 +34,11 @@ from core.sse import SSEDecoder
 from proxy.codecs import ANTHROPIC_MESSAGES, codec_at, codec_of
 from proxy.codecs.anthropic import PING, AnthropicCodec
 from proxy.codecs.anthropic_convert import normalize_billing_header
-from proxy.generation import Generation
 from proxy.history import digest
 from proxy.identity import explicit_identity
 from proxy.isolation import ApiNotServedError
 from proxy.validation import ClientRequest
+from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = AnthropicCodec()
 MODEL = "/root/.cache/prefixpin/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,12 +48,6 @@ ENVELOPE = {"created": 1796128108, "id": CHUNK_ID, "model": MODEL,
 ROLE = {"role": "assistant", "content": None}
 BILLING = ("x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; "
            "cch=a5145;")
-
-
-def sse(payload: Mapping[str, Any]) -> bytes:
-    """One event as llama-server writes it (compact JSON, its keys in insertion order)."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"),
-                                  ensure_ascii=False).encode() + b"\n\n"
 
 
 def chunk(delta: Mapping[str, Any] | None = None, finish: str | None = None,
@@ -69,7 +61,6 @@ def usage_chunk(usage: Mapping[str, Any], timings: Mapping[str, Any] | None = No
                 **({"timings": timings} if timings is not None else {})})
 
 
-DONE = b"data: [DONE]\n\n"
 TIMINGS = {"cache_n": 24, "prompt_n": 12, "prompt_ms": 2208.671,
            "prompt_per_token_ms": 184.05591666666666, "prompt_per_second": 5.433131507589859,
            "predicted_n": 8, "predicted_ms": 2271.806,
@@ -133,25 +124,6 @@ BLOCKS = b"".join([
                  "prompt_tokens_details": {"cached_tokens": 0}}),
     DONE,
 ])
-
-
-def frames_of(raw: bytes) -> list[Frame]:
-    """The frames the llama-server adapter makes of these bytes."""
-    decoder = SSEDecoder()
-    return [classify(event) for event in [*decoder.feed(raw), *decoder.flush()]]
-
-
-class FakeGeneration(SimpleNamespace):
-    frames: list[Frame]
-    progress: Any
-    completed: bool
-    error: ProxyError | None
-
-
-def generation(frames: Sequence[Frame] = (), *, completed: bool = True) -> Generation:
-    progress = next((f.progress for f in reversed(frames) if f.progress is not None), None)
-    return cast(Generation, FakeGeneration(frames=list(frames), progress=progress,
-                                           completed=completed, error=None))
 
 
 def parse(body: Mapping[str, Any], max_messages: int = 100) -> ClientRequest:

@@ -14,15 +14,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import httpx2
 import openai
 import pytest
 
-from adapters._openai_sse import classify
 from core.errors import (
     BadRequestError,
     ProxyError,
@@ -34,9 +32,9 @@ from core.sse import SSEDecoder
 from proxy.codecs import OPENAI_RESPONSES, codec_at, codec_of
 from proxy.codecs.responses import ResponsesCodec
 from proxy.codecs.responses_convert import DROPPED, to_chat
-from proxy.generation import Generation
 from proxy.identity import explicit_identity
 from proxy.validation import ClientRequest
+from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = ResponsesCodec()
 MODEL = "/root/.cache/prefixpin/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,12 +42,6 @@ ENVELOPE = {"created": 1796128722, "id": "chatcmpl-Ty3LYjlvr6OPMr5BRK2i3NUYuhQkf
             "model": MODEL, "system_fingerprint": "b1-0c1e570",
             "object": "chat.completion.chunk"}
 ROLE = {"role": "assistant", "content": None}
-
-
-def sse(payload: Mapping[str, Any]) -> bytes:
-    """One event as llama-server writes it (compact JSON, its keys in insertion order)."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"),
-                                  ensure_ascii=False).encode() + b"\n\n"
 
 
 def chunk(delta: Mapping[str, Any] | None = None, finish: str | None = None,
@@ -63,7 +55,6 @@ def usage_chunk(usage: Mapping[str, Any], timings: Mapping[str, Any] | None = No
                 **({"timings": timings} if timings is not None else {})})
 
 
-DONE = b"data: [DONE]\n\n"
 TIMINGS = {"cache_n": 31, "prompt_n": 1, "prompt_ms": 371.607,
            "prompt_per_token_ms": 371.607, "prompt_per_second": 2.6910149701162784,
            "predicted_n": 8, "predicted_ms": 659.982,
@@ -114,26 +105,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of 
           "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}},
          {"type": "function", "name": "get_time", "parameters": {"type": "object",
                                                                   "properties": {}}}]
-
-
-def frames_of(raw: bytes) -> list[Frame]:
-    """The frames the llama-server adapter makes of these bytes."""
-    decoder = SSEDecoder()
-    return [classify(event) for event in [*decoder.feed(raw), *decoder.flush()]]
-
-
-class FakeGeneration(SimpleNamespace):
-    frames: list[Frame]
-    progress: Any
-    completed: bool
-    error: ProxyError | None
-
-
-def generation(frames: Sequence[Frame] = (), *, completed: bool = True,
-               error: ProxyError | None = None) -> Generation:
-    progress = next((f.progress for f in reversed(frames) if f.progress is not None), None)
-    return cast(Generation, FakeGeneration(frames=list(frames), progress=progress,
-                                           completed=completed, error=error))
 
 
 USER = {"model": "smol", "input": "Say hi", "max_output_tokens": 8, "temperature": 0}
