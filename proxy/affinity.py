@@ -182,6 +182,8 @@ class AffinityPlanner:
         if plan.slot is not None:
             held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
             self.pool.record_tokens(plan.slot, session.id, held)
+            if self.parking is not None:
+                self.parking.park_ahead(self.pool, plan.slot, session.id)
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
             sum(1 for e in self.pool.entries if e.occupant is not None))
 

@@ -86,8 +86,12 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--log-level": ("log_level", str, "debug | info | warning | error"),
 }
 SWITCHES = {"affinity": "session affinity", "repair": "history repair", "parking": "parking"}
-# Off unless given (--no-X turns them off again).
-OPTIONS = {"allow-shared-cache": ("allow_shared_cache", "let several namespaces (bearer "
+# Off unless given (--no-X turns them off again), but park-ahead (on unless --no-park-ahead).
+OPTIONS = {"park-ahead": ("park_ahead", "on an engine short of slots, save a session's slot "
+                          "after its turn while the engine is otherwise idle, so the next "
+                          "session's request finds it parked already instead of saving it "
+                          "first (default on; env PREFIXPIN_PARK_AHEAD=0)"),
+           "allow-shared-cache": ("allow_shared_cache", "let several namespaces (bearer "
                                   "tokens) share an engine whose prompt cache crosses slots "
                                   "(llama-server with --cache-ram above 0, its default; every "
                                   "Ollama). This gives up tenant isolation: a tenant may then "

@@ -29,8 +29,11 @@ HOP_BY_HOP = frozenset({
 TENANT_PATHS: dict[str, str] = {
     "/v1/models": "GET", "/models": "GET", "/health": "GET", "/props": "GET",
     "/tokenize": "POST", "/detokenize": "POST", "/apply-template": "POST",
-    # Anthropic's token counter (llama-server renders and tokenizes; nothing is generated)
+    # Token counters (llama-server renders and tokenizes; nothing is generated): Anthropic's,
+    # and its chat and Responses ones with their bare aliases
     "/v1/messages/count_tokens": "POST",
+    "/v1/chat/completions/input_tokens": "POST", "/chat/completions/input_tokens": "POST",
+    "/v1/responses/input_tokens": "POST", "/responses/input_tokens": "POST",
     "/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET",
 }
 

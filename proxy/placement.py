@@ -148,6 +148,7 @@ class SlotPool:
         self._changed = asyncio.Condition()
         self._on_evict = on_evict
         self.waiting = 0
+        self.last_eviction: float | None = None  # when a slot last changed hands (monotonic)
         self._known: set[int] = set()  # slots whose contents the proxy put there
 
     def holder_of(self, session_id: str) -> int | None:
@@ -189,6 +190,35 @@ class SlotPool:
         finally:
             entry.busy = False
             entry.last_used = time.monotonic()
+            async with self._changed:
+                self._changed.notify_all()
+
+    def contended(self, within_s: float) -> bool:
+        """More sessions want slots than there are: requests wait now, or a slot changed
+        hands within ``within_s``."""
+        if self.waiting:
+            return True
+        return (self.last_eviction is not None
+                and time.monotonic() - self.last_eviction < within_s)
+
+    def others_busy(self, slot: int) -> bool:
+        return any(e.busy for e in self.entries if e.index != slot)
+
+    @asynccontextmanager
+    async def holding(self, slot: int, session_id: str) -> AsyncIterator[SlotEntry | None]:
+        """The slot, marked busy, if it is idle and still holds ``session_id``; else None.
+        For work on a slot's contents outside any request (parking it ahead): a request for
+        the slot waits until the block ends, as for any lease; it is not a use of the slot
+        (its idle time, which the eviction order reads, goes on)."""
+        entry = self.entries[slot] if 0 <= slot < len(self.entries) else None
+        if entry is None or entry.busy or entry.occupant != session_id:
+            yield None
+            return
+        entry.busy = True
+        try:
+            yield entry
+        finally:
+            entry.busy = False
             async with self._changed:
                 self._changed.notify_all()
 
@@ -235,6 +265,7 @@ class SlotPool:
         if entry.occupant is not None and entry.occupant != want.session_id:
             reason = "side" if entry.kind == "side" else "worth"
             eviction = Eviction(entry.index, entry.occupant, entry.kind, entry.tokens, reason)
+            self.last_eviction = time.monotonic()
         if entry.occupant != want.session_id:
             entry.tokens = 0
         entry.occupant, entry.kind, entry.busy = want.session_id, want.kind, True

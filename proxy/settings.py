@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     park_min_tokens: int = Field(256, ge=1, description="Smaller histories are not parked")
     park_verify: Literal["full", "tokens"] = Field(
         "full", description="Check a park file's whole content (blake3) or its token list")
+    park_ahead: bool = Field(True, description="On an engine short of slots, save a slot "
+                             "after its turn while the engine is idle, so the next "
+                             "request's eviction of it costs nothing")
     park_shared: bool = Field(False, description="Every engine's --slot-save-path is "
                               "park_dir (one directory for all engines and replicas): a "
                               "file one engine saved may be restored into another")

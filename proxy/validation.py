@@ -309,8 +309,8 @@ def _json_type(value: object) -> str:
 def check_messages(messages: object, max_messages: int) -> None:
     if not isinstance(messages, list):
         raise BadRequestError("'messages' is required and must be an array", param="messages")
-    if not messages:
-        raise BadRequestError("'messages' must contain at least one message", param="messages")
+    # An empty list is the engine's to judge: llama-server renders the template's empty
+    # prompt and generates, Ollama answers 400 (relayed as it says).
     if len(messages) > max_messages:
         raise BadRequestError(f"'messages' has {len(messages)} entries; the limit is "
                               f"{max_messages}", param="messages")

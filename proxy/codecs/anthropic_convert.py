@@ -298,8 +298,8 @@ def check_request(body: Mapping[str, Any], max_messages: int) -> None:
 def check_messages(messages: object, max_messages: int) -> None:
     if not isinstance(messages, list):
         _refuse("messages", "is required and must be an array")
-    if not messages:
-        _refuse("messages", "must contain at least one message")
+    # An empty list converts to an empty chat one, which the engine judges (llama-server
+    # generates from the template's empty prompt, as its own /v1/messages does).
     if len(messages) > max_messages:
         _refuse("messages", f"has {len(messages)} entries; the limit is {max_messages}")
     for index, message in enumerate(messages):

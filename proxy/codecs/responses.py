@@ -150,7 +150,7 @@ class ResponsesCodec:
     api: Api = "responses"
     engine_api: Api = "openai"
     endpoint: Endpoint = "chat"
-    routes: tuple[str, ...] = ("/v1/responses",)
+    routes: tuple[str, ...] = ("/v1/responses", "/responses")  # (llama-server's alias)
     media_type = SSE_MEDIA_TYPE
     headers: Mapping[str, str] = SSE_HEADERS
     opening = OPENING

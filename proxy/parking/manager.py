@@ -40,10 +40,11 @@ from proxy.parking.slotfile import (
     free_bytes,
     read_slot_tokens,
     size_of,
+    stat_identity,
     tokens_digest,
     unlink,
 )
-from proxy.placement import Eviction, SlotPool
+from proxy.placement import Eviction, SlotEntry, SlotPool
 from proxy.sessions import Session, SessionStore
 
 EXIT_PARK_TIMEOUT_S = 30.0
@@ -53,6 +54,11 @@ DISK_HEADROOM = 1.1  # free space wanted before a save, over the estimated file 
 # A replicated index: another replica may have saved a file it has not recorded yet, so the
 # start-up sweep leaves unrecorded files younger than this alone.
 ORPHAN_MIN_AGE_S = 600.0
+# Parking ahead: a session's own next request often follows its answer at once (a tool
+# result), so the slot is saved only once it stayed idle this long ...
+PARK_AHEAD_DELAY_S = 0.2
+# ... and only while its engine is short of slots: a slot changed hands within this long.
+PARK_AHEAD_WITHIN_S = 600.0
 
 Resolver = Callable[[str], Awaitable[Session | None]]
 
@@ -63,6 +69,9 @@ class ParkConfig:
     max_bytes: int
     min_tokens: int
     verify_content: bool
+    # Save a slot after its turn, while the engine is idle, when it is likely to be evicted
+    # next: the eviction then finds its file current and costs the next request nothing.
+    park_ahead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +135,10 @@ class ParkManager:
         self._restored: dict[str, int] = {}  # session id -> tokens restored, until its commit
         self._late_commit: dict[str, str] = {}  # session id -> park id awaiting its commit
         self._not_reused = 0  # restores in a row the engine re-processed anyway
+        # Park file name -> its stat identity when this process hashed it: a restore of a file
+        # with that identity still is not written since (any write moves its ctime).
+        self._hashed: dict[str, tuple[int, ...]] = {}
+        self._ahead: set[asyncio.Task[None]] = set()  # parks ahead under way
         self._update_gauges()
 
     # -- eviction: save ---------------------------------------------------------------
@@ -208,6 +221,56 @@ class ParkManager:
         except self.index.errors as exc:
             log_event(self.log, logging.WARNING, "park budget not applied", error=str(exc))
 
+    def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
+        """After a session's turn, on an engine short of slots: save its slot in the
+        background once it stays idle, so that its eviction by the next session's request
+        finds the file current (``park``'s unchanged case) instead of saving on that
+        request's path. Only while no other slot is busy (a save pauses every stream of the
+        engine) and never for a slot table replicas share (its copy here may be stale)."""
+        if (not self.config.park_ahead or self.suspended is not None
+                or _shared_table(pool) is not None or not pool.contended(PARK_AHEAD_WITHIN_S)):
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._park_ahead(pool, slot, session_id), name=f"prefixpin-park-ahead-{slot}")
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+
+    async def _park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
+        await asyncio.sleep(PARK_AHEAD_DELAY_S)
+        if pool.others_busy(slot):
+            return
+        async with pool.holding(slot, session_id) as entry:
+            if entry is not None and self._fits_ahead(session_id, entry.tokens):
+                await self.park(Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
+                self._match_file(entry, session_id)
+
+    def _match_file(self, entry: SlotEntry, session_id: str) -> None:
+        """The slot holds exactly what its file now holds (it stayed busy while saved, and
+        its turn was committed): its token count is the file's, which ``park``'s unchanged
+        case compares at the eviction."""
+        session = self.store.get(session_id)
+        with contextlib.suppress(*self.index.errors):
+            record = self._current(session) if session is not None else None
+            if (session is not None and session.committed is not None and record is not None
+                    and record.scope == self.scope
+                    and _same_history(record.committed, session.committed)):
+                entry.tokens = record.n_tokens
+
+    def _fits_ahead(self, session_id: str, tokens: int) -> bool:
+        """A file parked ahead is a spare copy of a history the slot still holds: it never
+        pushes another session's file (perhaps its only copy) out of the disk budget."""
+        estimate = self._estimate_bytes(tokens)
+        session = self.store.get(session_id)
+        if estimate is None or session is None:
+            return False  # (no park measured a file's size yet)
+        try:
+            current = self._current(session)
+            replaced = current.size if current is not None and current.scope == self.scope else 0
+            total = self.index.total_bytes(self.scope)
+        except self.index.errors:
+            return False
+        return total - replaced + estimate <= self.config.max_bytes
+
     async def _session_of(self, session_id: str) -> Session | None:
         if self.resolve is not None:
             return await self.resolve(session_id)
@@ -242,7 +305,7 @@ class ParkManager:
         if len(tokens) != n_tokens:
             raise SlotFileError("mismatched", f"{len(tokens)} tokens in the file, the engine "
                                               f"saved {n_tokens}")
-        content = (await asyncio.to_thread(file_digest, path)
+        content = (await asyncio.to_thread(self._hash_file, path)
                    if self.config.verify_content else None)
         committed = session.committed
         assert committed is not None
@@ -253,6 +316,15 @@ class ParkManager:
             n_tokens=len(tokens), filename=path.name, size=size,
             tokens_digest=tokens_digest(tokens), content_digest=content, model=self.model,
             created=now, last_use=now, lane=self.lane, shared=self.shared, owner=session.id)
+
+    def _hash_file(self, path: Path) -> bytes:
+        """The file's content digest, and its stat identity noted when it did not change
+        while it was read (blocking: run it in a thread)."""
+        before = stat_identity(path)
+        digest = file_digest(path)
+        if before is not None and stat_identity(path) == before:
+            _bounded_set(self._hashed, path.name, before)
+        return digest
 
     def _adopt_new(self, session: Session, record: ParkRecord) -> None:
         previous = self._current(session)
@@ -314,7 +386,8 @@ class ParkManager:
                                   level=logging.WARNING)
         try:
             tokens = await asyncio.to_thread(_check_file, path, record,
-                                             self.config.verify_content)
+                                             self.config.verify_content,
+                                             self._hashed.get(record.filename))
         except SlotFileError as fault:
             self._remove_quietly(record, "invalid")
             return self._declined(session, record, fault.fault, fault.reason,
@@ -590,11 +663,15 @@ class ParkManager:
         """Clean shutdown: park what idle slots hold (a restarted proxy restores it), then
         close the index."""
         try:
-            if pool is not None and self.suspended is None:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(EXIT_PARK_TIMEOUT_S):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EXIT_PARK_TIMEOUT_S):
+                    # a slot parked ahead is busy meanwhile: let those saves end first
+                    await asyncio.gather(*self._ahead, return_exceptions=True)
+                    if pool is not None and self.suspended is None:
                         await self.park_resident(pool)
         finally:
+            for task in self._ahead:
+                task.cancel()
             with contextlib.suppress(*self.index.errors):
                 self.index.close()
 
@@ -696,9 +773,12 @@ def _digest_prefix(committed: Sequence[bytes], incoming: Sequence[bytes]) -> boo
     return 0 < n <= len(incoming) and tuple(incoming[:n]) == tuple(committed)
 
 
-def _check_file(path: Path, record: ParkRecord, verify_content: bool) -> list[int]:
+def _check_file(path: Path, record: ParkRecord, verify_content: bool,
+                hashed: tuple[int, ...] | None = None) -> list[int]:
     """The file's tokens, if it is still the one parked; else SlotFileError (blocking:
-    run it in a thread)."""
+    run it in a thread). ``hashed``: the file's stat identity when this process hashed it;
+    unchanged, the content is not read again (a write, or a ``utime`` hiding one, moves
+    its ctime; a file put in its place has another inode or ctime)."""
     size = size_of(path)
     if size is None:
         raise SlotFileError("missing", f"park file {record.filename} is gone")
@@ -713,6 +793,7 @@ def _check_file(path: Path, record: ParkRecord, verify_content: bool) -> list[in
         raise SlotFileError("mismatched", f"park file {record.filename} holds another token "
                                           "list than the one parked")
     if (verify_content and record.content_digest is not None
+            and (hashed is None or stat_identity(path) != hashed)
             and file_digest(path) != record.content_digest):
         raise SlotFileError("corrupted", f"park file {record.filename} changed since it "
                                          "was parked (content digest)")

@@ -104,6 +104,16 @@ def size_of(path: Path) -> int | None:
         return None
 
 
+def stat_identity(path: Path) -> tuple[int, ...] | None:
+    """What changes whenever the file is written or replaced: device, inode, size, and
+    modification and change times in nanoseconds (None: not there)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def age_of(path: Path, now: float) -> float | None:
     """Seconds since ``path`` was last written (None: gone)."""
     try:

@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -180,7 +181,10 @@ def index_dir(park: Path) -> Path:
 
 
 def settings(park: Path, **more: Any) -> dict[str, Any]:
-    return {"park_dir": park, "park_index_dir": index_dir(park), "park_min_tokens": 20, **more}
+    # Parking ahead saves a slot after its turn once it idles 0.2 s, a race with the test's
+    # next request: off here, tested on its own below.
+    return {"park_dir": park, "park_index_dir": index_dir(park), "park_min_tokens": 20,
+            "park_ahead": False, **more}
 
 
 async def test_an_evicted_session_is_parked_and_restored_when_it_returns(
@@ -307,11 +311,13 @@ async def test_an_engine_restart_restores_parked_sessions(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("damage", "outcome"), [
     ("delete", "missing"), ("truncate", "truncated"), ("tokens", "mismatched"),
-    ("kv", "corrupted")])
+    ("kv", "corrupted"), ("kv-hidden", "corrupted")])
 async def test_a_damaged_park_file_is_caught_and_the_request_re_prefills(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, outcome: str) -> None:
-    """Deleted, cut short, another token list, or flipped KV bytes: the proxy notices before
-    the engine sees the file, drops it, says why, and the answer comes from a re-prefill."""
+    """Deleted, cut short, another token list, or flipped KV bytes (also with the file's
+    times set back, as the proxy reads the content again only for a file whose stat
+    changed): the proxy notices before the engine sees the file, drops it, says why, and
+    the answer comes from a re-prefill."""
     engine = SlotFileFakeLlama(tmp_path)
     caplog.set_level(logging.INFO, "prefixpin")
     async with running_proxy(engine, **settings(tmp_path)) as (client, _):
@@ -343,6 +349,12 @@ def _damage(path: Path, how: str) -> None:
     elif how == "kv":
         data[-5] ^= 0x40
         path.write_bytes(bytes(data))
+    elif how == "kv-hidden":
+        times = path.stat()
+        data[-5] ^= 0x40
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+        assert path.stat().st_mtime_ns == times.st_mtime_ns
 
 
 async def test_a_failed_save_is_logged_and_the_session_re_prefills(
@@ -568,3 +580,70 @@ async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
     assert cached(a3) >= prompt(a2)
     assert park_files(config.slot_dir())
     assert (tmp_path / INDEX_NAME).exists()
+
+
+async def saves_settle(engine: SlotFileFakeLlama, count: int, timeout_s: float = 5.0) -> None:
+    """Wait until the engine saw ``count`` saves (parking ahead runs in the background)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if slot_actions(engine).count("save") >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} saves expected, the engine saw {slot_actions(engine)}")
+
+
+def slot_actions(engine: SlotFileFakeLlama) -> list[str]:
+    return [a[0] for a in engine.actions if "probe" not in a[2]]
+
+
+async def test_a_slot_is_parked_ahead_so_its_eviction_saves_nothing(tmp_path: Path) -> None:
+    """One slot: B evicts A (A saved then, on B's path). After B's turn, with the engine
+    idle and short of slots, B's slot is saved in the background; A's return then finds
+    B's file current (no save on A's path: only A's restore), and B's return restores the
+    file parked ahead, all of B's previous prompt cached."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path, park_ahead=True)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        b_first = await ask(client, conversation("B", 1), "B")
+        await saves_settle(engine, 2)  # A at eviction, B ahead
+        assert slot_actions(engine) == ["save", "save"]
+        await ask(client, conversation("A", 2), "A")
+        assert slot_actions(engine)[2] == "restore"  # B's eviction saved nothing
+        assert await metric(client, "prefixpin_parks_total", outcome="unchanged") == 1
+        b_again = await ask(client, conversation("B", 2), "B")
+        assert await metric(client, "prefixpin_restores_total", outcome="restored") == 2
+    assert cached(b_again) >= prompt(b_first)
+
+
+async def test_nothing_is_parked_ahead_while_every_session_has_a_slot(tmp_path: Path) -> None:
+    """Two slots, two sessions: no slot ever changed hands, so nothing is saved."""
+    engine = SlotFileFakeLlama(tmp_path, FakeLlamaConfig(n_slots=2))
+    async with running_proxy(engine, **settings(tmp_path, park_ahead=True)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        await ask(client, conversation("A", 2), "A")
+        await asyncio.sleep(0.5)  # past the idle delay of a park ahead
+        assert slot_actions(engine) == []
+
+
+async def test_parking_ahead_never_pushes_a_parked_session_out_of_the_budget(
+        tmp_path: Path) -> None:
+    """Room for one file: A's (parked when B evicted it) is its only copy; B's slot still
+    holds B, so B is not parked ahead at the price of A's file."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        [a_file] = park_files(tmp_path)
+    budget = int(a_file.stat().st_size * 1.5)
+    for path in park_files(tmp_path):
+        path.unlink()
+    (index_dir(tmp_path) / INDEX_NAME).unlink()
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **settings(tmp_path, park_ahead=True,
+                                                park_max_bytes=budget)) as (client, _):
+        await ask(client, conversation("A", 1), "A")
+        await ask(client, conversation("B", 1), "B")
+        [a_parked] = park_files(tmp_path)
+        await asyncio.sleep(0.5)
+        assert slot_actions(engine) == ["save"]  # A's, at its eviction
+        assert park_files(tmp_path) == [a_parked]

@@ -243,19 +243,19 @@ def test_a_claude_code_turn_reuses_the_whole_previous_prompt(
 def test_a_bad_body_is_an_anthropic_400(run_proxy: ProxyRunner) -> None:
     with run_proxy() as url:
         with pytest.raises(anthropic.BadRequestError) as refused:
-            client(url).messages.create(model="smol", max_tokens=8, messages=[])
+            client(url).messages.create(model="smol", max_tokens=8, messages=[
+                {"role": "tool", "content": "x"}])  # type: ignore[list-item, misc]
         raw = httpx.post(f"{url}/v1/messages", headers={"x-api-key": KEY}, timeout=30,
                          json={"max_tokens": 8, "messages": [{"role": "tool",
                                                               "content": "x"}]})
-    assert refused.value.status_code == 400
-    assert refused.value.body == {"type": "error", "error": {
-        "type": "invalid_request_error",
-        "message": "'messages' must contain at least one message"}}
-    assert raw.status_code == 400
-    assert raw.json() == {"type": "error", "error": {
+    expected = {"type": "error", "error": {
         "type": "invalid_request_error",
         "message": "'messages[0].role' must be \"user\" or \"assistant\" (or \"system\"), "
                    "got 'tool'"}}
+    assert refused.value.status_code == 400
+    assert refused.value.body == expected
+    assert raw.status_code == 400
+    assert raw.json() == expected
 
 
 def _events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:

@@ -341,3 +341,31 @@ def test_what_a_completions_stream_cannot_tell(run_proxy: ProxyRunner,
     assert [entry["id"] for entry in held] == stop_tokens  # the stop string's tokens
     assert {entry["token"] for entry in held} == {""}  # held back: no text sent
     assert comparable(proxied) == comparable(direct)
+
+
+EMPTY = {
+    "chat": ("/v1/chat/completions", {"messages": [], "max_tokens": 4, "temperature": 0}),
+    "anthropic": ("/v1/messages", {"model": "smol", "messages": [], "max_tokens": 4,
+                                   "temperature": 0}),
+}
+
+
+def answer_text(body: dict[str, Any]) -> str:
+    if "choices" in body:
+        return str(body["choices"][0]["message"]["content"])
+    return "".join(block.get("text", "") for block in body["content"])
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("case", list(EMPTY))
+def test_an_empty_message_list_is_answered_as_llama_server_answers_it(
+        run_proxy: ProxyRunner, llama: LlamaServerProcess, case: str) -> None:
+    """llama-server generates from an empty conversation (its template's empty prompt, as
+    llama.cpp's own test_anthropic_empty_messages pins): so does the proxy in front of it."""
+    path, body = EMPTY[case]
+    with run_proxy() as url:
+        proxied = post(url, path, body)
+    direct = post(llama.url, path, {**body, "cache_prompt": False})
+    assert direct.status_code == 200, direct.text
+    assert proxied.status_code == 200, proxied.text
+    assert answer_text(proxied.json()) == answer_text(direct.json())

@@ -225,3 +225,30 @@ def test_a_bad_body_is_a_400_naming_the_field(run_proxy: ProxyRunner, body: dict
     error = response.json()["error"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_the_bare_alias_and_the_token_counters_answer_as_llama_server(
+        llama: LlamaServerProcess, run_proxy: ProxyRunner,
+        erase_slots: Callable[[], None]) -> None:
+    """llama-server serves ``/responses`` as ``/v1/responses``, and counts a request's
+    prompt tokens at ``[/v1]/responses/input_tokens`` and
+    ``[/v1]/chat/completions/input_tokens`` (nothing generated): all of them through the
+    tenant port too, with llama-server's own answers."""
+    body = {**question(), "stream": False}
+    direct = httpx.post(f"{llama.url}/responses", json=body, timeout=120)
+    erase_slots()
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "Count me."}]}
+    counters = {"/responses/input_tokens": body, "/v1/responses/input_tokens": body,
+                "/chat/completions/input_tokens": chat,
+                "/v1/chat/completions/input_tokens": chat}
+    with run_proxy() as url:
+        proxied = httpx.post(f"{url}/responses", json=body, timeout=120)
+        counted = {path: (httpx.post(f"{url}{path}", json=sent, timeout=30),
+                          httpx.post(f"{llama.url}{path}", json=sent, timeout=30))
+                   for path, sent in counters.items()}
+    assert direct.status_code == proxied.status_code == 200, proxied.text
+    assert proxied.json()["output"][0]["content"][0]["text"] == (
+        direct.json()["output"][0]["content"][0]["text"])
+    for path, (through, straight) in counted.items():
+        assert straight.status_code == 200, (path, straight.text)
+        assert (through.status_code, through.json()) == (200, straight.json()), path

@@ -96,3 +96,43 @@ async def test_reset_forgets_every_occupant() -> None:
     pool.reset()
     assert pool.holder_of("a") is None
     assert not pool.known(0)
+
+
+async def test_holding_a_slot_is_for_its_idle_occupant_only_and_makes_requests_wait() -> None:
+    """Work on a slot outside a request (parking it ahead) holds it only while it is idle
+    and still holds the session; a request for it waits until the work ends."""
+    pool = SlotPool(2)
+    a = await occupy(pool, "a")
+    async with pool.holding(a, "b") as entry:
+        assert entry is None  # not b's history
+    async with pool.holding(7, "a") as entry:
+        assert entry is None
+    order: list[str] = []
+
+    async def request() -> None:
+        async with pool.lease(Want("a", "main", a), timeout_s=5):
+            order.append("request")
+
+    async with pool.holding(a, "a") as entry:
+        assert entry is not None
+        assert entry.busy
+        assert pool.others_busy(1 - a)
+        assert not pool.others_busy(a)
+        async with pool.holding(a, "a") as again:
+            assert again is None  # busy
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0.05)
+        order.append("held")
+    await task
+    assert order == ["held", "request"]
+
+
+async def test_a_pool_is_contended_while_requests_wait_or_soon_after_an_eviction() -> None:
+    pool = SlotPool(1)
+    await occupy(pool, "a")
+    assert not pool.contended(600)
+    await occupy(pool, "b")  # a evicted
+    assert pool.contended(600)
+    assert pool.last_eviction is not None
+    pool.last_eviction -= 601
+    assert not pool.contended(600)

@@ -196,6 +196,7 @@ def sent_body(**params: Any) -> dict[str, Any]:
 def test_the_codec_is_registered_for_v1_responses() -> None:
     client = parse(USER)
     assert codec_at("/v1/responses") is OPENAI_RESPONSES
+    assert codec_at("/responses") is OPENAI_RESPONSES  # llama-server's bare alias
     assert isinstance(OPENAI_RESPONSES, ResponsesCodec)
     assert codec_of(client) is OPENAI_RESPONSES
     assert (CODEC.api, CODEC.engine_api, CODEC.endpoint) == ("responses", "openai", "chat")
