@@ -241,7 +241,7 @@ HANDWRITTEN: list[tuple[str, bytes, int, str | None, str]] = [
     ("messages null", dumps({"messages": None}), 400, "messages", CHAT),
     ("messages object", dumps({"messages": {"role": "user"}}), 400, "messages", CHAT),
     ("messages string", dumps({"messages": "hi"}), 400, "messages", CHAT),
-    ("messages empty", dumps({"messages": []}), 400, "messages", CHAT),
+    ("messages empty", dumps({"messages": []}), 200, None, CHAT),  # the engine judges it
     ("message as pair", dumps({"messages": [["user", "hi"]]}), 400, "messages[0]", CHAT),
     ("stream null", chat_with(stream=None), 200, None, CHAT),
     ("stream string", chat_with(stream="true"), 400, "stream", CHAT),

@@ -138,10 +138,23 @@ def test_a_second_turn_resumes_the_session_named_by_claude_codes_metadata(
 
 def test_a_bad_body_is_refused_in_anthropics_error_shape(proxy: Served) -> None:
     with sdk(proxy) as client, pytest.raises(anthropic.BadRequestError) as refused:
-        create(client, messages=[])
+        create(client, messages=[{"role": "tool", "content": "x"}])
     assert refused.value.status_code == 400
     body = refused.value.body
     assert isinstance(body, dict)
     assert body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
     assert forwarded(proxy) == []
+
+
+def test_an_empty_conversation_gets_ollamas_own_400_in_anthropics_shape(
+        proxy: Served) -> None:
+    """The engine judges an empty ``messages`` list (llama-server generates from it);
+    Ollama's chat API refuses it (``[] is too short``), said in Anthropic's shape."""
+    with sdk(proxy) as client, pytest.raises(anthropic.BadRequestError) as refused:
+        create(client, messages=[])
+    body = refused.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert "too short" in body["error"]["message"]
+    assert [path for path, _ in forwarded(proxy)] == ["/v1/chat/completions"]
