@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -66,6 +66,35 @@ class EngineKey(httpx.Auth):
         if self.is_own(request) and not any(h in request.headers for h in CREDENTIAL_HEADERS):
             request.headers["Authorization"] = self._value
         yield request
+
+
+class _NoCookies(httpx.Cookies):
+    """A jar that keeps nothing: what an engine sets is nobody's to send back."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
+class EngineClient(httpx.AsyncClient):
+    """httpx's client without a cookie jar. A cookie an engine (or a gateway in front of
+    it) sets would otherwise go out on every later request, every tenant's; and reading
+    each answer's headers for cookies, then writing a request's, was a fifth of httpx's
+    cost per request (``bench/results/load/PROFILE.md``)."""
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return _NO_COOKIES
+
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        if cookies:
+            raise ValueError("an engine's client keeps no cookies")
+
+    def _merge_cookies(self, cookies: Any = None) -> Any:
+        return cookies  # a request's own, if any; never the jar's (there is none)
+
+
+_NO_COOKIES = _NoCookies()
 
 
 @contextmanager
@@ -171,7 +200,7 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
                          classify: Callable[[T], Frame]) -> AsyncIterator[Frame]:
     """An engine's streamed body as frames: decoded item by item, each item classified."""
     with map_httpx_errors(what):
-        async for chunk in response.aiter_bytes():
+        async for chunk in body_chunks(response):
             try:
                 items = decoder.feed(chunk)
             except ValueError as exc:  # an item past the decoder's size limit
@@ -180,3 +209,16 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
                 yield classify(item)
         for item in decoder.flush():
             yield classify(item)
+
+
+def body_chunks(response: httpx.Response) -> AsyncIterable[bytes]:
+    """A streamed body as the transport gives it, every read in one piece: without a
+    content encoding, straight from the response's stream (``aiter_bytes`` puts two more
+    generators and a decoder and a chunker between them, per read)."""
+    stream = response.stream
+    encoding = response.headers.get("content-encoding")
+    if (encoding is None or encoding.strip().lower() == "identity") and isinstance(
+            stream, httpx.AsyncByteStream) and not response.is_stream_consumed:
+        response.is_stream_consumed = True
+        return stream
+    return response.aiter_bytes()

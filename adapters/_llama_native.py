@@ -72,9 +72,14 @@ class NativeClassifier:
             kind = FrameKind.DONE if self._left <= 0 else FrameKind.CHUNK
             return Frame(kind, event.raw, data, has_output=_has_text(data))
         progress = parse_progress(data.get("prompt_progress"))
-        if progress is not None and not _has_text(data):
+        has_text = _has_text(data)
+        if progress is not None and not has_text:
             return Frame(FrameKind.PROGRESS, event.raw, data, progress)
-        return Frame(FrameKind.CHUNK, event.raw, data, progress, _has_text(data))
+        if has_text and progress is None:
+            # A plain text event, the bulk of a stream: its objects are let go and made
+            # again only if something reads them (``Frame.unparsed``).
+            return Frame.unparsed(FrameKind.CHUNK, event.raw, event.data, None, True, False)
+        return Frame(FrameKind.CHUNK, event.raw, data, progress, has_text)
 
 
 def classify(event: SSEEvent) -> Frame:

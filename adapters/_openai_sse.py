@@ -1,41 +1,53 @@
 """Sans-IO classification of OpenAI-style SSE events into ``Frame``s.
 
 llama-server, the embedded engine and Ollama's ``/v1`` API all stream OpenAI chunks; this
-module turns one decoded SSE event into a typed frame, once, so the relay and the figures
-never re-parse JSON.
+module turns one decoded SSE event into a typed frame. Every event is parsed here (a
+malformed one ends the stream before a client sees it); a plain output chunk, the bulk of
+a stream, then keeps only its text (``Frame.unparsed``: the OpenAI pass-through relays its
+bytes and never reads it; what does read it parses it once more, then keeps it).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from adapters.base import Frame, FrameKind, Progress
 from core.errors import UpstreamProtocolError
 from core.figures import count_of
+from core.frames import parse_json_object
 from core.sse import SSEEvent
+
+# Read per event: a module global costs a fraction of an attribute of the enum class.
+_PING, _DONE, _ERROR, _USAGE, _PROGRESS, _CHUNK = (
+    FrameKind.PING, FrameKind.DONE, FrameKind.ERROR, FrameKind.USAGE, FrameKind.PROGRESS,
+    FrameKind.CHUNK)
 
 
 def classify(event: SSEEvent) -> Frame:
-    if event.is_comment_only:
-        return Frame(FrameKind.PING, event.raw)
-    if event.data.strip() == "[DONE]":
-        return Frame(FrameKind.DONE, event.raw)
-    data = _parse_object(event.data)
+    text = event.data
+    if not text and not event.event:
+        return Frame(_PING, event.raw)
+    if text == "[DONE]" or text.strip() == "[DONE]":
+        return Frame(_DONE, event.raw)
+    data = _parse_object(text)
     if "error" in data:
-        return Frame(FrameKind.ERROR, event.raw, data)
-    progress = parse_progress(data.get("prompt_progress"))
+        return Frame(_ERROR, event.raw, data)
+    progress = data.get("prompt_progress")
+    if progress is not None:
+        progress = parse_progress(progress)
     choices = data.get("choices")
     if choices == [] and "usage" in data:
-        return Frame(FrameKind.USAGE, event.raw, data, progress)
-    has_output = chunk_has_output(choices)
-    if progress is not None and not has_output and not _has_finish(choices):
-        return Frame(FrameKind.PROGRESS, event.raw, data, progress)
-    return Frame(FrameKind.CHUNK, event.raw, data, progress, has_output)
+        return Frame(_USAGE, event.raw, data, progress)
+    has_output, finish = _output_and_finish(choices)
+    if progress is not None and not has_output and not finish:
+        return Frame(_PROGRESS, event.raw, data, progress)
+    if has_output and progress is None and not finish:
+        # A plain output chunk, the bulk of a stream: relayed as its bytes, the objects it
+        # parsed into let go, made again only if something reads them (``Frame.unparsed``).
+        return Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+    return Frame(_CHUNK, event.raw, data, progress, has_output, finish)
 
 
 def parse_progress(value: object) -> Progress | None:
@@ -58,38 +70,48 @@ def chunk_has_output(choices: object) -> bool:
     if not isinstance(choices, list):
         return False
     for choice in choices:
-        if not isinstance(choice, Mapping):
+        # dict first: what orjson makes (the Mapping check is an ABC's, slower per event)
+        if not isinstance(choice, dict | Mapping):
             continue
         if choice.get("text"):  # /v1/completions
             return True
         delta = choice.get("delta")
-        if isinstance(delta, Mapping) and (
+        if isinstance(delta, dict | Mapping) and (
             delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
         ):
             return True
     return False
 
 
-def _has_finish(choices: object) -> bool:
-    return isinstance(choices, list) and any(
-        isinstance(choice, Mapping) and choice.get("finish_reason") for choice in choices
-    )
+def _output_and_finish(choices: object) -> tuple[bool, bool]:
+    """``chunk_has_output``, and whether a choice has a ``finish_reason``, in one pass (per
+    event: no generator)."""
+    if not isinstance(choices, list):
+        return False, False
+    output = finish = False
+    for choice in choices:
+        if not isinstance(choice, dict | Mapping):
+            continue
+        if choice.get("finish_reason"):
+            finish = True
+        if not output:
+            if choice.get("text"):  # /v1/completions
+                output = True
+            else:
+                delta = choice.get("delta")
+                output = isinstance(delta, dict | Mapping) and bool(
+                    delta.get("content") or delta.get("reasoning_content")
+                    or delta.get("tool_calls"))
+    return output, finish
 
 
 def _parse_object(text: str) -> dict[str, Any]:
     try:
-        # orjson first: every event of every stream goes through here (~5x faster).
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        value = _parse_lenient(text)
+        # orjson first (every event of every stream goes through here), then the standard
+        # library for what orjson refuses but is still an engine's JSON (NaN, huge integers).
+        value = parse_json_object(text)
+    except ValueError as exc:
+        raise UpstreamProtocolError(f"engine sent an SSE event that is not JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise UpstreamProtocolError("engine sent an SSE event that is not a JSON object")
     return value
-
-
-def _parse_lenient(text: str) -> Any:
-    """What orjson refuses but is still an engine's JSON (NaN, huge integers)."""
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise UpstreamProtocolError(f"engine sent an SSE event that is not JSON: {exc}") from exc

@@ -207,7 +207,7 @@ def classify_openai(event: Any) -> Frame:
     ``delta.reasoning`` (not ``reasoning_content``) and is output all the same."""
     frame = classify_sse(event)
     if frame.kind is FrameKind.CHUNK and not frame.has_output and _has_reasoning(frame.data):
-        return dataclasses.replace(frame, has_output=True)
+        return Frame(frame.kind, frame.raw, frame.data, frame.progress, True, frame.finish)
     return frame
 
 

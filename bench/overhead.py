@@ -8,23 +8,26 @@ Requests alternate direct / proxy / floor, the order rotating every round, so ma
 hits the arms alike.
 
     python bench/overhead.py [--requests 400] [--events 20000] [--streams 3]
-                             [--out bench/results/overhead] [--before-tree PATH]
+                             [--out bench/results/overhead] [--before-tree PATH ...]
 
 Added latency = the proxy arm's percentile minus the direct arm's, for the time to the
 last byte of a short streamed chat completion (the whole request path) and the time to
 its first data event. Relay throughput = data events per second of one long stream (the
 median of ``--streams`` streams per arm).
 ``*_floor_added_ms`` is the same figure for the floor arm: prefixpin's own work is the
-difference between the two.
+difference between the two. ``*_added_over_floor`` is prefixpin's added latency over the
+floor's, in the same run; ``floor_target`` checks issue 18's bar against it (within 1.1x).
 
 ``--before-tree PATH`` adds a fourth arm, ``before``: the same ``proxy.cli serve`` run from
 another source tree (e.g. ``git worktree add /tmp/pp-before 783c80c``; see
 ``bench/trees.py``), rotating with the others. ``*_before_added_ms`` is its added latency;
 ``*_proxy_minus_before`` the median of the per-round differences proxy - before, with a 95%
 interval, and ``relay_ratio_proxy_over_before`` the median of the per-round throughput
-ratios. ``cpu_us_per_request``: each proxy process's own CPU time per short request (from
-``/proc``), a figure that other load on the machine barely moves; ``trees`` records which
-files each proxy arm imports and their commits.
+ratios. Given again, each further tree is one more arm, ``before2``, ``before3``, ... with
+the same figures under its name, and ``*_before2_minus_before`` (and so on) pairs each tree
+with the one given before it. ``cpu_us_per_request``: each proxy process's own CPU time
+per short request (from ``/proc``), a figure that other load on the machine barely moves;
+``trees`` records which files each proxy arm imports and their commits.
 """
 
 from __future__ import annotations
@@ -93,8 +96,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(requests: int, events: int, before: Tree | None = None,
+FLOOR_TARGET = 1.1  # issue 18: prefixpin's added latency within 1.1x of the floor's
+
+
+def before_arms(count: int) -> list[str]:
+    """The names of the ``--before-tree`` arms: before, before2, before3, ..."""
+    return ["before" if i == 0 else f"before{i + 1}" for i in range(count)]
+
+
+def run(requests: int, events: int, before: Tree | list[Tree] | None = None,
         streams: int = 3) -> dict[str, Any]:
+    befores = [] if before is None else [before] if isinstance(before, Tree) else before
     fake_port, proxy_port = free_port(), free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
@@ -116,13 +128,13 @@ def run(requests: int, events: int, before: Tree | None = None,
             [*this.serve(), *proxy_args, "--port", str(proxy_port)], proxied,
             **this.popen_kwargs())).pid}
         pids["floor"] = stack.enter_context(process(floor_cmd, floor)).pid
-        if before is not None:
-            trees["before"] = before.describe()
+        for name, tree in zip(before_arms(len(befores)), befores, strict=True):
+            trees[name] = tree.describe()
             before_port = free_port()
-            arms["before"] = f"http://127.0.0.1:{before_port}"
-            pids["before"] = stack.enter_context(process(
-                [*before.serve(), *proxy_args, "--port", str(before_port)], arms["before"],
-                **before.popen_kwargs())).pid
+            arms[name] = f"http://127.0.0.1:{before_port}"
+            pids[name] = stack.enter_context(process(
+                [*tree.serve(), *proxy_args, "--port", str(before_port)], arms[name],
+                **tree.popen_kwargs())).pid
         client = stack.enter_context(httpx.Client(timeout=60))
         first: dict[str, list[float]] = {arm: [] for arm in arms}
         total: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -155,7 +167,7 @@ def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
     ms = 1000.0
     result: dict[str, Any] = {"requests_per_arm": requests, "events_per_stream": events,
                               "streams_per_arm": len(throughput["direct"])}
-    before = "before" in first
+    befores = [arm for arm in first if arm.startswith("before")]
     for name, series in (("first_event", first), ("last_byte", total)):
         for q, label in ((0.5, "p50"), (0.99, "p99")):
             direct = percentile(series["direct"], q) * ms
@@ -166,25 +178,41 @@ def summarise(first: dict[str, list[float]], total: dict[str, list[float]],
             result[f"{name}_{label}_added_ms"] = round(proxy - direct, 3)
             # The bare starlette + httpx relay (bench/floor_proxy.py): the stack's own cost.
             result[f"{name}_{label}_floor_added_ms"] = round(floor - direct, 3)
-            if before:  # the same proxy arm from --before-tree
-                other = percentile(series["before"], q) * ms
-                result[f"{name}_{label}_before_ms"] = round(other, 3)
-                result[f"{name}_{label}_before_added_ms"] = round(other - direct, 3)
-        if before:
-            result[f"{name}_proxy_minus_before"] = paired_median_ms(series["proxy"],
-                                                                    series["before"])
+            result[f"{name}_{label}_added_over_floor"] = _ratio(proxy - direct, floor - direct)
+            for arm in befores:  # the same proxy arm from a --before-tree
+                other = percentile(series[arm], q) * ms
+                result[f"{name}_{label}_{arm}_ms"] = round(other, 3)
+                result[f"{name}_{label}_{arm}_added_ms"] = round(other - direct, 3)
+                result[f"{name}_{label}_{arm}_added_over_floor"] = _ratio(other - direct,
+                                                                         floor - direct)
+        for arm in befores:
+            result[f"{name}_proxy_minus_{arm}"] = paired_median_ms(series["proxy"],
+                                                                   series[arm])
+        for later, arm in zip(befores[1:], befores, strict=False):  # tree by tree
+            result[f"{name}_{later}_minus_{arm}"] = paired_median_ms(series[later],
+                                                                     series[arm])
     result["relay_events_per_s_direct"] = round(statistics.median(throughput["direct"]))
     result["relay_events_per_s_proxy"] = round(statistics.median(throughput["proxy"]))
     result["relay_events_per_s_floor"] = round(statistics.median(throughput["floor"]))
     result["relay_ratio_proxy_over_direct"] = round(
         result["relay_events_per_s_proxy"] / result["relay_events_per_s_direct"], 3)
-    if before:
-        result["relay_events_per_s_before"] = round(statistics.median(throughput["before"]))
-        result["relay_ratio_before_over_direct"] = round(
-            result["relay_events_per_s_before"] / result["relay_events_per_s_direct"], 3)
-        result["relay_ratio_proxy_over_before"] = round(statistics.median(
-            a / b for a, b in zip(throughput["proxy"], throughput["before"], strict=True)), 3)
+    for arm in befores:
+        result[f"relay_events_per_s_{arm}"] = round(statistics.median(throughput[arm]))
+        result[f"relay_ratio_{arm}_over_direct"] = round(
+            result[f"relay_events_per_s_{arm}"] / result["relay_events_per_s_direct"], 3)
+        result[f"relay_ratio_proxy_over_{arm}"] = round(statistics.median(
+            a / b for a, b in zip(throughput["proxy"], throughput[arm], strict=True)), 3)
+    # Issue 18: the short streamed request's added latency (p50: to its first data event
+    # and to its last byte) within FLOOR_TARGET of the floor's, in the same run.
+    ratios = {key: result[key] for key in ("first_event_p50_added_over_floor",
+                                           "last_byte_p50_added_over_floor")}
+    result["floor_target"] = {"ratio": FLOOR_TARGET, **ratios, "met": all(
+        r is not None and r <= FLOOR_TARGET for r in ratios.values())}
     return result
+
+
+def _ratio(added: float, floor: float) -> float | None:
+    return round(added / floor, 3) if floor > 0 else None
 
 
 def main() -> int:
@@ -195,11 +223,13 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=3,
                         help="long streams per arm for the relay throughput (default 3)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead"))
-    parser.add_argument("--before-tree", type=Path, metavar="PATH",
+    parser.add_argument("--before-tree", type=Path, metavar="PATH", action="append",
+                        default=[],
                         help="also run the proxy arm from this source tree (e.g. a git "
-                             "worktree of an older commit), as arm 'before'")
+                             "worktree of an older commit), as arm 'before'; again for arms "
+                             "'before2', 'before3', ...")
     args = parser.parse_args()
-    before = Tree.other(args.before_tree) if args.before_tree else None
+    before = [Tree.other(path) for path in args.before_tree]
     load_start = os.getloadavg()
     result = run(args.requests, args.events, before, args.streams)
     result["command"] = "python " + " ".join(sys.argv)

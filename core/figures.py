@@ -27,6 +27,13 @@ from typing import Any
 from core.frames import Frame, FrameKind, Progress
 
 
+def _names_a_figure(raw: bytes) -> bool:
+    """The fields figures are read from, as they appear in an event's bytes (a key is
+    written as a JSON string; escaped within a string's text it is not this sequence)."""
+    return (b'"timings"' in raw or b'"usage"' in raw or b'"stop"' in raw
+            or b'"done"' in raw)
+
+
 @dataclass(frozen=True, slots=True)
 class Figures:
     prompt_tokens: int | None = None
@@ -48,6 +55,8 @@ def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
     native: Mapping[str, Any] | None = None
     finals: list[Mapping[str, Any]] = []
     for frame in frames:
+        if not frame.parsed and not _names_a_figure(frame.raw):
+            continue  # a plain output chunk (``Frame.unparsed``): nothing to parse it for
         data = frame.data or {}
         if isinstance(data.get("timings"), Mapping):
             timings = data["timings"]

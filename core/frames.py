@@ -4,9 +4,12 @@ proxy relays, counts and commits."""
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +29,88 @@ class FrameKind(enum.Enum):
     PING = "ping"  # the engine's own keep-alive comment
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One event of an engine's output stream, parsed once and kept with its exact bytes."""
+_UNPARSED: Any = object()  # a frame's data not parsed yet (``Frame.unparsed``)
 
-    kind: FrameKind
-    raw: bytes
-    data: Mapping[str, Any] | None = None
-    progress: Progress | None = None
-    has_output: bool = False  # carries generated text or a tool-call delta (stops the TTFT clock)
+
+class Frame:
+    """One event of an engine's output stream, kept with its exact bytes; shared by every
+    client of a generation and never changed once made.
+
+    ``data``: the event's JSON object. A frame made by ``Frame.unparsed`` holds only the
+    JSON text, which its adapter parsed once to classify it (so it is valid) and then let
+    go: ``data`` parses it again on first read and keeps it. That is how an output chunk
+    lives while it streams: the OpenAI pass-through relays its bytes and never reads it,
+    and a stream in flight holds one object per event for the garbage collector to scan,
+    not five (the dict, the choices list, a choice, its delta, the frame); what reads
+    every chunk (another wire format's encoder, the reply folded at the end) still can.
+
+    ``finish``: an output chunk that ends a choice (it carries a ``finish_reason``), as
+    the adapter found it; read from ``data`` when the adapter did not say.
+    """
+
+    __slots__ = ("_data", "_finish", "_payload", "has_output", "kind", "progress", "raw")
+
+    def __init__(self, kind: FrameKind, raw: bytes, data: Mapping[str, Any] | None = None,
+                 progress: Progress | None = None, has_output: bool = False,
+                 finish: bool | None = None) -> None:
+        self.kind = kind
+        self.raw = raw
+        self._data = data
+        self.progress = progress
+        self.has_output = has_output  # generated text or a tool-call delta (the TTFT clock)
+        self._finish = finish
+        self._payload: str | bytes | None = None
+
+    @classmethod
+    def unparsed(cls, kind: FrameKind, raw: bytes, payload: str | bytes,
+                 progress: Progress | None = None, has_output: bool = False,
+                 finish: bool | None = None) -> Frame:
+        """A frame whose ``data`` is the JSON object ``payload`` (already known to parse
+        into one), parsed when first read."""
+        frame = cls(kind, raw, None, progress, has_output, finish)
+        frame._data = _UNPARSED
+        frame._payload = payload
+        return frame
+
+    @property
+    def data(self) -> Mapping[str, Any] | None:
+        data = self._data
+        if data is _UNPARSED:
+            data = self._data = parse_json_object(self._payload or b"")
+            self._payload = None
+        return data
+
+    @property
+    def parsed(self) -> bool:
+        """``data`` is at hand (reading it costs no parse)."""
+        return self._data is not _UNPARSED
+
+    @property
+    def finish(self) -> bool:
+        if self._finish is None:
+            choices = (self.data or {}).get("choices")
+            self._finish = isinstance(choices, list) and any(
+                isinstance(c, Mapping) and bool(c.get("finish_reason")) for c in choices)
+        return self._finish
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frame):
+            return NotImplemented
+        return (self.kind, self.raw, self.data, self.progress, self.has_output) == (
+            other.kind, other.raw, other.data, other.progress, other.has_output)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        data = self.data if self.parsed else "<unparsed>"
+        return (f"Frame(kind={self.kind!r}, raw={self.raw!r}, data={data!r}, "
+                f"progress={self.progress!r}, has_output={self.has_output!r})")
+
+
+def parse_json_object(text: str | bytes) -> Any:
+    """JSON as an engine sends it: orjson (every event goes through here), the standard
+    library for what orjson refuses (NaN, integers past 64 bits). Raises ``ValueError``."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)

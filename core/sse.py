@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a setattr call per field, per event
 class SSEEvent:
     raw: bytes
     data: str = ""
@@ -34,6 +34,8 @@ class SSEDecoder:
         self._cr = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not self._buffer and not self._cr and b"\r" not in chunk:
+            return self._feed_whole(chunk)
         self._buffer += chunk
         events: list[SSEEvent] = []
         start = 0
@@ -54,6 +56,26 @@ class SSEDecoder:
         self._scanned = max(0, len(buffer) - 3)  # a separator may straddle the next chunk
         if len(buffer) > self._max_event_bytes:
             raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
+        return events
+
+    def _feed_whole(self, chunk: bytes) -> list[SSEEvent]:
+        """The common read: nothing buffered, LF endings, usually whole events. They are
+        cut straight from the chunk (no copy through the buffer); what follows the last
+        event waits in the buffer."""
+        events: list[SSEEvent] = []
+        find = chunk.find
+        start = 0
+        while (index := find(b"\n\n", start)) != -1:
+            after = index + 2
+            raw = chunk[start:after] if start or after != len(chunk) else chunk
+            events.append(_parse_block(raw[:-2], raw))
+            start = after
+        if start < len(chunk):
+            rest = chunk[start:] if start else chunk
+            self._buffer += rest
+            self._scanned = max(0, len(rest) - 3)
+            if len(rest) > self._max_event_bytes:
+                raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
         return events
 
     def flush(self) -> list[SSEEvent]:
@@ -86,7 +108,7 @@ def _find_event_end(buffer: bytearray, start: int) -> tuple[int, int] | None:
 def _parse_block(block: bytes, raw: bytes) -> SSEEvent:
     if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
         # The common case, one data line, without the general line machinery.
-        return SSEEvent(raw=raw, data=block[6:].decode("utf-8", errors="replace"))
+        return SSEEvent(raw, block[6:].decode("utf-8", errors="replace"))
     data_lines: list[str] = []
     comments: list[str] = []
     event = ""

@@ -97,11 +97,22 @@ class Chain:
     @property
     def root(self) -> bytes:
         """The digest every chain of this configuration starts from."""
-        return blake3(_DOMAIN + struct.pack("<I", self.edge)).digest()
+        return _root(self.edge)
 
     def hexdigests(self) -> list[str]:
         """The digests as hex strings, for logs and the sessions view."""
         return [digest.hex() for digest in self.digests]
+
+
+_ROOTS: dict[int, bytes] = {}
+
+
+def _root(edge: int) -> bytes:
+    """``Chain.root``, hashed once per edge width (it is read on every extension)."""
+    root = _ROOTS.get(edge)
+    if root is None:
+        root = _ROOTS[edge] = blake3(_DOMAIN + struct.pack("<I", edge)).digest()
+    return root
 
 
 def start_chain(openers: Collection[int], edge: int = DEFAULT_EDGE) -> Chain:

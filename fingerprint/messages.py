@@ -177,6 +177,8 @@ def chain_for_messages(
 
 # Chains are memoised at every CHECKPOINT_EVERY-th message as well as at the end of each
 # request: a client that rewrites message 40 of 64 still finds the chain of its first 32.
+# And after the first message: the system prompt every new conversation of a client starts
+# with is then chained once, not once per conversation.
 CHECKPOINT_EVERY = 16
 
 _PREFIX_DOMAIN = b"prefixpin.fingerprint.prefix.v1"
@@ -243,7 +245,7 @@ class ChainMemo:
         for index, message in enumerate(messages, start=covered):
             chain = chain_for_messages((message,), encoder, cache, markers, base=chain,
                                        scope=scope)
-            if (index + 1) % CHECKPOINT_EVERY == 0 or index == last:
+            if (index + 1) % CHECKPOINT_EVERY == 0 or index == last or index == 0:
                 self.put(keys[index], chain)
         return chain
 

@@ -31,8 +31,8 @@ from typing import Any, Literal
 from adapters.base import EngineInfo
 from core.errors import ProxyError
 from fingerprint import Chain, nominates, shared_leading
-from proxy.history import Committed, Verdict, decide, digest
-from proxy.identity import ExplicitIdentity, explicit_identity
+from proxy.history import Committed, Shape, Verdict, decide, digest, shape_digest
+from proxy.identity import ExplicitIdentity
 from proxy.implicit import Fingerprinter
 from proxy.logs import log_event
 from proxy.metrics import Metrics
@@ -40,13 +40,12 @@ from proxy.parking import ParkManager
 from proxy.placement import Lease, SlotPool, Want
 from proxy.repair import Applied, Repairer
 from proxy.service import Backend, Incoming, Outcome, Plan
-from proxy.sessions import Kind, Session, SessionStore, TurnFigures
+from proxy.sessions import NOMINATION_BAR, Kind, Session, SessionStore, TurnFigures
 from proxy.validation import ClientRequest
 
 Tier = Literal["explicit", "implicit", "none"]
 DecisionOutcome = Literal["resumed", "rewound", "new"]
 
-NOMINATION_BAR = 3  # shared leading segments (a bare system prompt is shared by all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +85,14 @@ class AffinityPlanner:
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
-        identity = explicit_identity(client.body, incoming.headers)
-        digests = [digest(m) for m in client.body.get("messages") or []]
-        decision = await self._decide(client, namespace, identity, backend, digests)
+        identity = incoming.identity
+        digests = incoming.digests
+        if not digests and client.body.get("messages"):  # not a list of messages: as ever,
+            digests = [digest(m) for m in client.body["messages"]]  # refused here (500)
+        planned = planned_body(client.path, client.body)
+        shape = shape_digest(planned)  # once, for every candidate and the commit
+        decision = await self._decide(client, namespace, identity, backend, digests, planned,
+                                      shape)
         session = decision.session
         session.api = client.api
         self._observe(decision, backend.label)
@@ -96,6 +100,7 @@ class AffinityPlanner:
         # it came: no repair rewrites a raw prompt.
         body = dict(decision.body if decision.body is not None and client.path != INFILL_PATH
                     else client.body)
+        as_planned = decision.body is None or decision.body is planned
         preferred = self.pool.holder_of(session.id)
         notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
                                  "reason": session.last_reason, "namespace": namespace,
@@ -103,8 +108,11 @@ class AffinityPlanner:
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
-                    digests=(digests if decision.body is None
-                             else _digests_of(body, client.body, digests, session)))
+                    # the body as planned (not rewritten by repair): the request's own
+                    # digests and shape
+                    digests=(digests if as_planned
+                             else _digests_of(body, client.body, digests, session)),
+                    shape=shape if as_planned else None)
         if incoming.placement is not None:
             notes["placement"] = incoming.placement
             if incoming.moved:
@@ -168,8 +176,10 @@ class AffinityPlanner:
         if not outcome.ok:
             return
         body = plan.body
-        session.committed = (Committed.of_chat(body, plan.digests) if "messages" in body
-                             else Committed.of_completion(planned_body(plan.path, body)))
+        session.committed = (Committed.of_chat(body, plan.digests, plan.shape)
+                             if "messages" in body
+                             else Committed.of_completion(planned_body(plan.path, body),
+                                                          plan.shape))
         session.chain = plan.chain or session.chain
         if outcome.reply is not None:
             session.repair.last_reply = dict(outcome.reply)
@@ -184,13 +194,15 @@ class AffinityPlanner:
             self.pool.record_tokens(plan.slot, session.id, held)
             if self.parking is not None:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
+        entries = self.pool.entries
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
-            sum(1 for e in self.pool.entries if e.occupant is not None))
+            len(entries) - [e.occupant for e in entries].count(None))
 
     async def _decide(self, client: ClientRequest, namespace: str,
                       identity: ExplicitIdentity | None, backend: Backend,
-                      digests: Sequence[bytes]) -> Decision:
-        body = planned_body(client.path, client.body)
+                      digests: Sequence[bytes], body: Mapping[str, Any],
+                      shape: Shape) -> Decision:
+        """``body``: the body as planned (``planned_body``), ``shape`` its shape digest."""
         # A named session is found by its key alone (it never matches an unnamed one, nor
         # the reverse): only a request without a key needs its fingerprint.
         chain = await self._chain(client, namespace, digests) if identity is None else None
@@ -204,7 +216,7 @@ class AffinityPlanner:
         for candidate in candidates:
             if candidate.committed is None:
                 continue
-            match = await self._match(candidate, body, digests, backend)
+            match = await self._match(candidate, body, digests, backend, shape)
             if match.verdict.resumable:
                 return self._resume(candidate, tier, match, chain)
             if match.cut_moved:
@@ -216,7 +228,8 @@ class AffinityPlanner:
         if best_decline is not None and tier == "explicit" and (
                 best_decline[1].verdict.index or 0) >= 1:
             return self._rewind(*best_decline, tier, chain, "the engine reuses the shared prefix")
-        if (revived := self._revive(namespace, identity, body, digests, chain)) is not None:
+        if (revived := self._revive(namespace, identity, body, digests, chain,
+                                    shape)) is not None:
             return revived
         session = self._new(namespace, identity, client, tier)
         if best_decline is None:
@@ -229,7 +242,7 @@ class AffinityPlanner:
 
     def _revive(self, namespace: str, identity: ExplicitIdentity | None,
                 body: Mapping[str, Any], digests: Sequence[bytes],
-                chain: Chain | None) -> Decision | None:
+                chain: Chain | None, shape: Shape | None = None) -> Decision | None:
         """No live session takes the request: a parked history may (the proxy restarted, or
         the store forgot the session). Same namespace, same key or none, and the request
         repeats its committed messages exactly: bytes decide here too."""
@@ -242,22 +255,24 @@ class AffinityPlanner:
         session = self.store.create(namespace, record.key, record.kind,
                                     identity.parent if identity else None)
         session.committed = record.committed
+        self.store.reindex(session)
         session.prompt_tokens = record.prompt_tokens
         self.parking.revived(session, record)
-        verdict = decide(record.committed, body, digests)
+        verdict = decide(record.committed, body, digests, shape)
         session.last_decision = "resumed"
         session.last_reason = f"{verdict.reason()} (parked history, from the park index)"
         return Decision("explicit" if identity else "implicit", "resumed", session, verdict,
                         chain)
 
     async def _match(self, session: Session, body: Mapping[str, Any],
-                     digests: Sequence[bytes], backend: Backend) -> Match:
+                     digests: Sequence[bytes], backend: Backend,
+                     shape: Shape | None = None) -> Match:
         """Bytes decide, after repair: the incoming body as it came, else repaired back to
         the session's committed history, else (templates that drop what the client
         rewrote) the rendered prompts compared."""
         committed = session.committed
         assert committed is not None
-        plain = decide(committed, body, digests)
+        plain = decide(committed, body, digests, shape)
         if plain.resumable or self.repairer is None or committed.prompt is not None:
             return Match(plain, body)
         memory = session.repair
@@ -307,7 +322,13 @@ class AffinityPlanner:
         """Keyless candidates: first those whose committed history the request repeats
         byte for byte as its prefix (longest first; exact bytes need no bar), then those
         its fingerprint chain nominates (at least NOMINATION_BAR shared segments)."""
-        keyless = [s for s in self.store.keyless(namespace) if s.committed is not None]
+        # Only those the store files under what the request may continue (a prefix of its
+        # messages, its chain at the bar, a raw prompt): not every session of the namespace.
+        bar_digest = (chain.digests[NOMINATION_BAR - 1] if chain is not None and chain.marked
+                      and len(chain.digests) >= NOMINATION_BAR else None)
+        keyless = [s for s in self.store.nominees(namespace, digests=digests, chain=bar_digest,
+                                                  prompt=isinstance(prompt, str))
+                   if s.committed is not None]
         exact = [s for s in keyless if _is_prefix_of(s, digests, prompt)]
         exact.sort(key=lambda s: -len(s.committed.digests) if s.committed else 0)
         if chain is None:
@@ -363,10 +384,11 @@ class AffinityPlanner:
             self.metrics.repairs.labels(repair.policy).inc()
             log_event(self.log, logging.INFO, "repair", session=decision.session.id,
                       policy=repair.policy, index=repair.index, detail=repair.detail)
-        log_event(self.log, logging.INFO, "affinity", tier=decision.tier, decision=label,
-                  session=decision.session.id, key=decision.session.key,
-                  kind=decision.session.kind, reason=decision.session.last_reason,
-                  upstream=upstream)
+        if self.log.isEnabledFor(logging.INFO):
+            log_event(self.log, logging.INFO, "affinity", tier=decision.tier, decision=label,
+                      session=decision.session.id, key=decision.session.key,
+                      kind=decision.session.kind, reason=decision.session.last_reason,
+                      upstream=upstream)
 
 
 # llama-server's fill-in-the-middle path (editor plugins: llama.vim, llama.vscode). Its

@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from adapters._http import EngineKey
+from adapters._h1 import engine_transport
+from adapters._http import EngineClient, EngineKey
 from adapters.base import Adapter, EngineInfo
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
@@ -102,10 +103,13 @@ def http_client(settings: Settings, url: str,
     (``adapters._http.EngineKey``); a client's requests carry the client's credentials."""
     key = settings.engine_key_for(url)
     auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
-    return httpx.AsyncClient(base_url=url, transport=transport, auth=auth,
-                             timeout=settings.upstream_timeout(),
-                             limits=httpx.Limits(max_connections=None,
-                                                 max_keepalive_connections=64))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    if transport is None:
+        # httptools' parser under httpx for plain-HTTP engines (adapters._h1): an engine's
+        # streamed answer is read at a fraction of h11's cost per event.
+        transport = engine_transport(limits)
+    return EngineClient(base_url=url, transport=transport, auth=auth,
+                        timeout=settings.upstream_timeout(), limits=limits)
 
 
 async def open_url_adapter(settings: Settings, http: httpx.AsyncClient,

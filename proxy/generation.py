@@ -10,6 +10,7 @@ period (a resend can still join it), then is cancelled, which closes its connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,10 @@ from core.errors import (
 from proxy.logs import get_logger
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
+# A subscriber's timer may fire this early (a loop's clock resolution: uvloop's is 1 ms):
+# its wait still ends then, rather than spinning on re-armed timers until the deadline.
+TIMER_SLACK_S = 0.001
+_ERROR, _DONE = FrameKind.ERROR, FrameKind.DONE  # read per frame: globals, not enum lookups
 
 
 @dataclass(slots=True)
@@ -65,7 +70,13 @@ class Generation:
         self.progress: Progress | None = None
         self.waiting: str | None = None  # why no request went out yet (e.g. queued for a slot)
         self.timeline = Timeline()
-        self._wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        # Who waits for the next change: subscribers' futures (``Subscriber.next_frames``)
+        # and, only once someone asks, an event (``changed``). A change wakes them all at
+        # once; with nobody waiting (the frames after the first of one engine read) it
+        # costs nothing.
+        self._waiters: list[asyncio.Future[bool]] = []
+        self._wakeup: asyncio.Event | None = None
         self._subscribers = 0
         self._subscribed = False  # some client read it (and so can have left it)
         self._grace_handle: asyncio.TimerHandle | None = None
@@ -121,12 +132,20 @@ class Generation:
     def changed(self) -> asyncio.Event:
         """The event set at the next change. Take it *before* re-checking state and awaiting:
         an event looked up lazily (inside a task that starts later) can miss a wake-up."""
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
         return self._wakeup
 
     def _notify(self) -> None:
-        # Broadcast: wake every waiter, then arm a fresh event for the next change.
-        self._wakeup.set()
-        self._wakeup = asyncio.Event()
+        # Broadcast: wake every waiter; the next change has its own.
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(True)
 
     async def _run(self) -> None:
         try:
@@ -154,9 +173,10 @@ class Generation:
             if self.completed:
                 continue  # read to the end of the body so the connection is reused
             self._append(frame)
-            if frame.kind is FrameKind.ERROR:
+            kind = frame.kind
+            if kind is _ERROR:
                 raise _mid_stream_error(frame)
-            if frame.kind is FrameKind.DONE:
+            if kind is _DONE:
                 self.completed = True
                 self._notify()
                 # The clients write their last bytes first, then the answer is settled (the
@@ -170,14 +190,14 @@ class Generation:
             raise UpstreamProtocolError("engine closed the stream before it finished")
 
     def _append(self, frame: Frame) -> None:
-        now = time.monotonic()
+        timeline = self.timeline
         if frame.progress is not None:
             self.progress = frame.progress
-            if self.timeline.first_progress is None:
-                self.timeline.first_progress = now
-        if frame.has_output and self.timeline.first_output is None:
-            self.timeline.first_output = now
-        if frame.kind is FrameKind.ERROR:
+            if timeline.first_progress is None:
+                timeline.first_progress = time.monotonic()
+        if frame.has_output and timeline.first_output is None:
+            timeline.first_output = time.monotonic()
+        if frame.kind is _ERROR:
             return  # re-raised by the caller; the relay writes its own error event
         self.frames.append(frame)
         self._notify()
@@ -210,32 +230,75 @@ class Generation:
 
 
 class Subscriber:
-    """A client's read position in a generation's frame log."""
+    """A client's read position in a generation's frame log.
+
+    Waiting costs no timer per frame: one timer per subscriber, armed for the deadline of
+    the first wait and moved on only when it fires before the current one (a heartbeat's
+    deadline moves with every write), so a stream of frames arms it about once per
+    heartbeat interval.
+    """
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self.position = 0
         self._closed = False
+        self._waiter: asyncio.Future[bool] | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
-    async def next_frame(self, wait_s: float) -> Frame | None:
-        """The next frame; ``None`` when ``wait_s`` passed first. Raises at the end."""
+    async def next_frames(self, deadline: float, limit: int) -> list[Frame] | None:
+        """The frames produced that this client has not read (at least one, up to
+        ``limit``), waiting for the first until ``deadline`` (``time.monotonic()``);
+        ``None`` when it passed first. Raises ``StopAsyncIteration`` at the end."""
         generation = self.generation
-        deadline = time.monotonic() + wait_s
         while self.position >= len(generation.frames):
             if generation.answered:
                 raise StopAsyncIteration
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self._wait(deadline):
                 return None
-            changed = generation.changed()
-            try:
-                async with asyncio.timeout(remaining):  # no task per wait, unlike wait_for
-                    await changed.wait()
-            except TimeoutError:
-                return None
-        frame = generation.frames[self.position]
-        self.position += 1
-        return frame
+        return self.take_ready(limit)
+
+    async def next_frame(self, wait_s: float) -> Frame | None:
+        """The next frame; ``None`` when ``wait_s`` passed first. Raises at the end."""
+        frames = await self.next_frames(time.monotonic() + wait_s, 1)
+        return frames[0] if frames else None
+
+    async def _wait(self, deadline: float) -> bool:
+        """Until the generation changes (True) or ``deadline`` passes (False)."""
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        generation = self.generation
+        waiter: asyncio.Future[bool] = generation._loop.create_future()
+        self._waiter = waiter
+        generation._waiters.append(waiter)
+        self._deadline = deadline
+        if self._timer is None or self._timer_at > deadline:
+            self._arm(deadline, now)
+        try:
+            return await waiter
+        finally:
+            self._waiter = None
+
+    def _arm(self, at: float, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.generation._loop.call_later(at - now, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits now: the next wait arms it again
+        now = time.monotonic()
+        if now >= self._deadline - TIMER_SLACK_S:
+            waiter.set_result(False)
+            with contextlib.suppress(ValueError):  # a long silence must not pile them up
+                self.generation._waiters.remove(waiter)
+        else:
+            self._arm(self._deadline, now)
 
     def take_ready(self, limit: int) -> list[Frame]:
         """The frames already produced that this client has not read, up to ``limit``."""
@@ -245,6 +308,9 @@ class Subscriber:
         return taken
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self._closed:
             self._closed = True
             self.generation._unsubscribe()

@@ -132,22 +132,24 @@ class Committed:
         return size
 
     @classmethod
-    def of_chat(cls, body: Mapping[str, Any],
-                digests: Sequence[bytes] | None = None) -> Committed:
-        """``digests``, when the caller has them, must be those of ``body["messages"]``."""
+    def of_chat(cls, body: Mapping[str, Any], digests: Sequence[bytes] | None = None,
+                shape: Shape | None = None) -> Committed:
+        """``digests`` and ``shape``, when the caller has them, must be those of
+        ``body["messages"]`` and ``shape_digest(body)``."""
         forwarded = tuple(body.get("messages") or ())
         known = tuple(digests) if digests is not None and len(digests) == len(forwarded) \
             else tuple(digest(m) for m in forwarded)
         messages = tuple(rendered(m) for m in forwarded)
         kept = {k: v for k, v in body.items() if k in SHAPE_FIELDS}
         kept["messages"] = list(messages)
-        return cls(messages, known, shape_digest(body), body=kept)
+        return cls(messages, known, shape if shape is not None else shape_digest(body),
+                   body=kept)
 
     @classmethod
-    def of_completion(cls, body: Mapping[str, Any]) -> Committed:
+    def of_completion(cls, body: Mapping[str, Any], shape: Shape | None = None) -> Committed:
         prompt = body.get("prompt")
         text = prompt if isinstance(prompt, str) else canonical(prompt)
-        return cls((), (), shape_digest(body), text)
+        return cls((), (), shape if shape is not None else shape_digest(body), text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +194,13 @@ def shape_digest(body: Mapping[str, Any]) -> Shape:
 
 
 def decide(committed: Committed, body: Mapping[str, Any],
-           incoming_digests: Sequence[bytes] | None = None) -> Verdict:
-    """Compare an incoming body with a committed history."""
-    shape = shape_digest(body)
+           incoming_digests: Sequence[bytes] | None = None,
+           shape: Shape | None = None) -> Verdict:
+    """Compare an incoming body with a committed history (``incoming_digests`` and
+    ``shape``: those of ``body``, when the caller has them: the shaping fields, tools
+    among them, are then not digested again for every candidate)."""
+    if shape is None:
+        shape = shape_digest(body)
     if shape != committed.shape:
         field = _changed_field(committed.shape, shape)
         return Verdict(False, field=field, committed_messages=len(committed.messages),

@@ -18,6 +18,10 @@ def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
 
 
+# One encoder for every line (``json.dumps`` with options builds a new one per call).
+_ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)
+
+
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -30,10 +34,12 @@ class JSONFormatter(logging.Formatter):
             line.update(fields)
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str, ensure_ascii=False)
+        return _ENCODER.encode(line)
 
 
 def configure(level: str) -> None:
+    # No line prints the thread, process or multiprocessing name a record would look up.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = logging.StreamHandler()
     handler.setFormatter(JSONFormatter())
     logger = get_logger()
@@ -43,7 +49,12 @@ def configure(level: str) -> None:
 
 
 def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
-    logger.log(level, event, extra={"fields": fields})
+    """One line, when ``level`` is enabled. The record carries no caller (``logging``
+    walks the stack for it on every line; no line of ours prints it). A line built from
+    costly fields is better guarded with ``logger.isEnabledFor(level)`` by its caller."""
+    if logger.isEnabledFor(level):
+        logger.handle(logger.makeRecord(logger.name, level, "", 0, event, (), None,
+                                        extra={"fields": fields}))
 
 
 def monotonic_ms(start: float) -> float:

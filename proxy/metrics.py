@@ -9,7 +9,10 @@ session, for an engine that reports none: Ollama before 0.33.3).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Any, TypeVar
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072,
@@ -19,6 +22,38 @@ SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "cancelled", "queue_timeout")
 SOURCES = ("measured", "estimated")
+
+
+T = TypeVar("T")
+
+
+class _KnownChildren:
+    """``labels`` of a label set seen before, without prometheus_client's checks, string
+    conversion and lock (~1.5 us, some ten times per request): its child straight from the
+    parent's own dict. A new label set, or values that are not all strings, go the usual
+    way (and are then stored in that dict)."""
+
+    def labels(self: T, *labelvalues: Any, **labelkwargs: Any) -> T:
+        if not labelkwargs:
+            try:
+                child = self._metrics.get(labelvalues)  # type: ignore[attr-defined]
+            except AttributeError:  # a child (no labels of its own): the usual error
+                child = None
+            if child is not None:
+                return child  # type: ignore[no-any-return]
+        return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc, no-any-return]
+
+
+class Counter(_KnownChildren, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_KnownChildren, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_KnownChildren, prometheus_client.Histogram):
+    pass
 
 
 class Metrics:

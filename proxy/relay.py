@@ -15,14 +15,13 @@ which API a client speaks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Frame, Progress
+from adapters.base import Progress
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
 from proxy.codecs import Codec, codec_of
@@ -77,45 +76,39 @@ async def _early_error(generation: Generation, arrival: float,
 async def _stream_body(codec: Codec, subscriber: Subscriber, client: ClientRequest,
                        heartbeat_s: float, on_heartbeat: Callable[[], None],
                        fill_cached: bool) -> AsyncGenerator[bytes, None]:
+    """A client's bytes until its generation ends: the frames as they come, each batch
+    (all that arrived while this client was busy, up to ``BATCH_FRAMES``) in one write, and
+    a heartbeat after ``heartbeat_s`` of silence."""
     generation = subscriber.generation
     encoder = codec.stream(client, generation, fill_cached=fill_cached)
-    heartbeat = codec.heartbeat
+    encode = encoder.encode
+    next_frames = subscriber.next_frames
+    monotonic = time.monotonic
     try:
-        yield codec.opening
-        paced = _paced(subscriber, heartbeat_s, on_heartbeat, encoder.encode, lambda: (
-            heartbeat(heartbeat_text(generation.progress, generation))))
-        async with contextlib.aclosing(paced):  # closed with this body, however it ends
-            async for out in paced:
+        # The opening and whatever the engine sent already (its first events usually come
+        # with its answer's head) in one write.
+        ready = subscriber.take_ready(BATCH_FRAMES)
+        yield codec.opening + encode(ready) if ready else codec.opening
+        deadline = monotonic() + heartbeat_s
+        while True:
+            try:
+                frames = await next_frames(deadline, BATCH_FRAMES)
+            except StopAsyncIteration:
+                break
+            if frames is None:
+                on_heartbeat()
+                yield codec.heartbeat(heartbeat_text(generation.progress, generation))
+            elif out := encode(frames):
                 yield out
+            else:
+                continue  # nothing for this client: the silence goes on
+            deadline = monotonic() + heartbeat_s
         if tail := encoder.flush():
             yield tail
         if generation.error is not None and not generation.completed:
             yield codec.late_error(generation.error)
     finally:
         subscriber.close()
-
-
-async def _paced(subscriber: Subscriber, heartbeat_s: float, on_heartbeat: Callable[[], None],
-                 encode: Callable[[Sequence[Frame]], bytes],
-                 heartbeat: Callable[[], bytes]) -> AsyncGenerator[bytes, None]:
-    """A client's bytes until its generation ends: frames as they come (those produced while
-    the client was busy in one write), a heartbeat after ``heartbeat_s`` of silence."""
-    last_sent = time.monotonic()
-    while True:
-        wait = max(0.0, heartbeat_s - (time.monotonic() - last_sent))
-        try:
-            frame = await subscriber.next_frame(wait)
-        except StopAsyncIteration:
-            return
-        if frame is None:
-            on_heartbeat()
-            yield heartbeat()
-            last_sent = time.monotonic()
-            continue
-        out = encode((frame, *subscriber.take_ready(BATCH_FRAMES)))
-        if out:
-            yield out
-            last_sent = time.monotonic()
 
 
 def heartbeat_text(progress: Progress | None, generation: Generation) -> str:

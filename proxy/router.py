@@ -92,38 +92,42 @@ class Router:
             if not lanes:  # never forwarded: see ApiNotServedError
                 raise ApiNotServedError(f"{request.method} {request.url.path}: no engine "
                                         f"behind this port serves the {codec.api} API")
-            raw, client = await self._parse(request, codec)
+            headers = headers_of(request)
+            raw, client = await self._parse(request, headers, codec)
             if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
                 # and that this namespace may use: an unload empties every session's cache
-                lanes = await self._lanes_for(namespace_of(request.headers), client, lanes)
+                lanes = await self._lanes_for(namespace_of(headers), client, lanes)
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
                 return await lifecycle(lane.service.backend.adapter.http, lane.models,
                                        request, client, raw)
-            return await self._serve(request, client, lanes)
+            return await self._serve(request, headers, client, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)
 
-    async def _parse(self, request: Request, codec: Codec) -> tuple[bytes, ClientRequest]:
+    async def _parse(self, request: Request, headers: Mapping[str, str],
+                     codec: Codec) -> tuple[bytes, ClientRequest]:
         """The body read and parsed once, for the whole request path."""
         try:
-            raw = await read_body(request.stream(), request.headers.get("content-length"),
+            raw = await read_body(request.stream(), headers.get("content-length"),
                                   self.settings.max_body_bytes)
-            return raw, codec.parse(raw, request.url.path,
+            # The route's own path (``scope["path"]``: what ``request.url.path`` gives for
+            # every route of the pipeline, without building the whole URL).
+            return raw, codec.parse(raw, request.scope["path"],
                                     max_messages=self.settings.max_messages)
         except ProxyError:
             self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
             raise
 
-    async def _serve(self, request: Request, client: ClientRequest,
-                     lanes: list[Lane]) -> Response:
-        namespace = namespace_of(request.headers)
+    async def _serve(self, request: Request, headers: Mapping[str, str],
+                     client: ClientRequest, lanes: list[Lane]) -> Response:
+        namespace = namespace_of(headers)
         try:
             lanes = await self._lanes_for(namespace, client, lanes)
             while True:
                 placement, moved = None, False
                 lane = lanes[0]
                 if len(lanes) > 1:
-                    choice = await self._place(namespace, client, request.headers, lanes)
+                    choice = await self._place(namespace, client, headers, lanes)
                     lane, placement, moved = choice.lane, choice.reason, choice.moved
                 if await self._claimed(lane, namespace):
                     break
@@ -137,7 +141,7 @@ class Router:
         except ProxyError:
             self.metrics.requests.labels(client.endpoint, "client_error", client.api).inc()
             raise
-        incoming = Incoming(client, request.headers, namespace, placement, moved)
+        incoming = Incoming(client, headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:
@@ -297,6 +301,15 @@ class Router:
         if self.shared is not None:
             await self.inflight.aclose()  # type: ignore[attr-defined]
             await self.shared.cluster.aclose()
+
+
+def headers_of(request: Request) -> dict[str, str]:
+    """The request's headers as a plain dict, built once: names as the server gives them
+    (lower case), the first value of a repeated header (what Starlette's ``Headers.get``
+    returns). The request path looks up some twenty of them, each a scan of the whole
+    header list on Starlette's ``Headers``."""
+    return {name.decode("latin-1"): value.decode("latin-1")
+            for name, value in reversed(request.scope["headers"])}
 
 
 async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logger, *,

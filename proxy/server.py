@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
 import signal
 import sys
 import threading
@@ -49,11 +50,26 @@ def serve(settings: Settings) -> int:
     # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
     # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
     # traceback on the user's terminal.
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_both(tenant, operator))
+    with contextlib.suppress(KeyboardInterrupt), event_loop() as runner:
+        runner.run(serve_both(tenant, operator))
         for caught in reversed(tenant.caught):
             signal.raise_signal(caught)
     return 0 if tenant.started and operator.started else 1
+
+
+def event_loop() -> asyncio.Runner:
+    """The loop both listeners run on: uvloop where it is installed (libuv's loop; its
+    socket reads, writes and timers cost a fraction of the stock loop's per relayed event,
+    bench/results/load/PROFILE.md), else asyncio's own; ``PREFIXPIN_LOOP=asyncio`` chooses
+    asyncio's anyway."""
+    if os.environ.get("PREFIXPIN_LOOP", "").lower() != "asyncio":
+        try:
+            import uvloop
+        except ImportError:  # a platform without the wheel (Windows): the stock loop
+            pass
+        else:
+            return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    return asyncio.Runner()
 
 
 class _Follower(uvicorn.Server):

@@ -34,7 +34,8 @@ from core.figures import Figures, figures_from
 from fingerprint import Chain
 from proxy.codecs import codec_of
 from proxy.generation import Generation
-from proxy.identity import explicit_identity
+from proxy.history import Shape, digest
+from proxy.identity import ExplicitIdentity, explicit_identity
 from proxy.inflight import InFlight, JoinIntent, inflight_key
 from proxy.logs import get_logger, log_event
 from proxy.metrics import Metrics
@@ -76,6 +77,16 @@ class Incoming:
     namespace: str
     placement: str | None = None  # the router's reason, when it chose among lanes
     moved: bool = False  # the session's home lane was down or overloaded: it moved
+    # The session the request names (``proxy.identity``), read once for the whole path
+    # (the in-flight key, the planner).
+    identity: ExplicitIdentity | None = field(init=False, default=None, compare=False)
+    # The digests of the body's messages (``proxy.history.digest``), computed once: the
+    # in-flight key, the planner's bytes-decide and the commit all read them.
+    digests: list[bytes] = field(init=False, default_factory=list, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "identity", explicit_identity(self.client.body, self.headers))
+        object.__setattr__(self, "digests", _message_digests(self.client.body))
 
 
 @dataclass(slots=True)
@@ -92,6 +103,7 @@ class Plan:
     notes: dict[str, Any] = field(default_factory=dict)  # decision fields for the log line
     chain: Chain | None = None  # the request's fingerprint chain, committed with the turn
     digests: Sequence[bytes] | None = None  # digests of the forwarded messages
+    shape: Shape | None = None  # shape_digest of the forwarded body, when known
     repairs: tuple[Applied, ...] = ()  # the repair policies that rewrote the body
     cached_estimate: CachedEstimate | None = None  # engines that report no cached count
     engine_resumed: bool = False  # the engine is believed to hold the session's prompt
@@ -280,21 +292,14 @@ class ProxyService:
             async with self.pool.lease(plan.want, timeout_s=self.settings.queue_timeout_s,
                                        on_wait=on_wait) as lease:
                 leased()
-                async with self._opened(plan, generation, lease, waited) as upstream:
+                # The lease is granted: restore what the planner restores, open the request.
+                generation.waiting = None
+                self.metrics.queue_wait.observe(time.monotonic() - waited)
+                plan.slot = lease.slot
+                await self.planner.on_lease(plan, lease)
+                call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
+                async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
                     yield upstream
-
-    @asynccontextmanager
-    async def _opened(self, plan: Plan, generation: Generation, lease: Lease,
-                      waited: float) -> AsyncIterator[UpstreamStream]:
-        """The lease is granted: restore what the planner restores, open the request."""
-        adapter = self.backend.adapter
-        generation.waiting = None
-        self.metrics.queue_wait.observe(time.monotonic() - waited)
-        plan.slot = lease.slot
-        await self.planner.on_lease(plan, lease)
-        call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
-        async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
-            yield upstream
 
     def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
                 arrival: float) -> None:
@@ -354,17 +359,18 @@ class ProxyService:
             self.metrics.slot_cached_tokens.labels(upstream, str(slot)).set(
                 figures.cached_tokens or 0)
             shortfall = self.ledger.record(upstream, slot, figures)
-        fields: dict[str, Any] = {
-            "api": record.client.api, "endpoint": record.client.endpoint,
-            "outcome": record.outcome, "upstream": upstream, "slot": slot, "session": plan.session,
-            "stream": record.client.stream, "prompt_tokens": figures.prompt_tokens,
-            "cached_tokens": figures.cached_tokens,
-            "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
-            "prefill_ms": figures.prompt_ms, **plan.notes,
-        }
-        if record.error is not None and record.outcome != "ok":
-            fields["error"] = record.error
-        log_event(self.log, logging.INFO, "request", **fields)
+        if self.log.isEnabledFor(logging.INFO):  # its fields are built only to be written
+            fields: dict[str, Any] = {
+                "api": record.client.api, "endpoint": record.client.endpoint,
+                "outcome": record.outcome, "upstream": upstream, "slot": slot,
+                "session": plan.session, "stream": record.client.stream,
+                "prompt_tokens": figures.prompt_tokens, "cached_tokens": figures.cached_tokens,
+                "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
+                "prefill_ms": figures.prompt_ms, **plan.notes,
+            }
+            if record.error is not None and record.outcome != "ok":
+                fields["error"] = record.error
+            log_event(self.log, logging.INFO, "request", **fields)
         if shortfall is not None:
             self.metrics.prefix_breaks.labels(upstream, plan.notes.get("cause", "unknown")).inc()
             log_event(self.log, logging.WARNING, "prefix break", upstream=upstream, slot=slot,
@@ -393,10 +399,19 @@ def request_key(incoming: Incoming) -> bytes:
     another session another history to record; neither is ever joined. (Every route of a
     codec asks the engine on one path: ``/completions`` joins ``/v1/completions``.)"""
     client = incoming.client
-    identity = explicit_identity(client.body, incoming.headers)
+    identity = incoming.identity
     session = None if identity is None else f"{identity.key}\0{identity.parent or ''}"
     return inflight_key(incoming.namespace, codec_of(client).name, client.path, session,
-                        client.body)
+                        client.body, incoming.digests)
+
+
+def _message_digests(body: Mapping[str, Any]) -> list[bytes]:
+    """The digest of each of the body's ``messages`` (none when it has none, or holds
+    something that is not a list of them: left for the planner to judge, as ever)."""
+    try:
+        return [digest(m) for m in body.get("messages") or []]
+    except TypeError:  # not iterable (a completions body's stray "messages": 5)
+        return []
 
 
 def _estimated_cached(plan: Plan, figures: Figures) -> int | None:

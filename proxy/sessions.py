@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +21,15 @@ from proxy.repair import RepairMemory
 
 Kind = Literal["main", "side"]
 TURN_HISTORY = 64  # per-session turn figures kept for the /sessions view and status page
+# Leading fingerprint segments a keyless session must share with a request to be nominated
+# (``proxy.affinity``; a bare system prompt is shared by all): the store indexes each
+# keyless session by the chain digest that commits to exactly that many.
+NOMINATION_BAR = 3
+
+# What a keyless session is indexed by, so a request reads only those it may continue
+# (``SessionStore.nominees``), not every session of its namespace: (namespace, what, a
+# message count, a digest).
+_IndexKey = tuple[str, str, int, bytes]
 
 
 @dataclass(slots=True)
@@ -102,6 +111,14 @@ class SessionStore:
         self._by_ns: dict[str, OrderedDict[str, Session]] = {}
         self._bytes: dict[str, int] = {}  # committed bytes per namespace
         self._sizes: dict[str, int] = {}  # per session, the committed bytes counted
+        # Recency without a scan: each put or touch moves a session to the end of both
+        # ordered dicts above and gives it the next tick, so ticks order a namespace's
+        # sessions exactly as those dicts do.
+        self._ticks = itertools.count()
+        self._order: dict[str, int] = {}
+        self._keyed: dict[tuple[str, str], dict[str, Session]] = {}  # (namespace, key)
+        self._nominees: dict[_IndexKey, dict[str, Session]] = {}
+        self._indexed: dict[str, tuple[_IndexKey, ...]] = {}  # per session, its index keys
         self._max = max_sessions
         self._max_ns = max_per_namespace or max_sessions
         self._max_bytes = max_committed_bytes
@@ -133,6 +150,9 @@ class SessionStore:
         own = self._by_ns.setdefault(session.namespace, OrderedDict())
         own[session.id] = session
         own.move_to_end(session.id)
+        self._order[session.id] = next(self._ticks)
+        if session.key is not None:
+            self._keyed.setdefault((session.namespace, session.key), {})[session.id] = session
         self._account(session)
         while len(own) > self._max_ns:
             self._drop(next(iter(own.values())))
@@ -155,14 +175,45 @@ class SessionStore:
         if self._sessions.get(session.id) is session:
             self._sessions.move_to_end(session.id)
             self._by_ns[session.namespace].move_to_end(session.id)
+            self._order[session.id] = next(self._ticks)
             self._account(session)
+
+    def reindex(self, session: Session) -> None:
+        """``session``'s committed history or chain changed outside ``touch`` (which
+        reindexes it too): what nominates it follows."""
+        if self._sessions.get(session.id) is session:
+            self._index(session)
 
     def with_key(self, namespace: str, key: str) -> list[Session]:
         """Every history under one explicit key, most recently used first."""
-        return [s for s in self._newest_first() if s.namespace == namespace and s.key == key]
+        return self._newest_first_of(self._keyed.get((namespace, key)))
 
     def keyless(self, namespace: str) -> list[Session]:
-        return [s for s in self._newest_first() if s.namespace == namespace and s.key is None]
+        return [s for s in self._own_newest_first(namespace) if s.key is None]
+
+    def nominees(self, namespace: str, *, digests: Sequence[bytes], chain: bytes | None,
+                 prompt: bool) -> list[Session]:
+        """The keyless sessions of ``namespace`` holding a committed history that a request
+        may continue, most recently used first (a superset: the caller decides): those
+        whose ``n`` committed messages end with the digest the request's message ``n``
+        has (``digests``: the request's; a history the request repeats as its prefix does),
+        those whose fingerprint chain has the digest ``chain`` at segment
+        ``NOMINATION_BAR`` (sharing that many leading segments means sharing that digest),
+        and with ``prompt`` every one holding a raw prompt. Every session a scan of all the
+        keyless ones (``keyless``) would keep is among them, in the same order."""
+        index = self._nominees
+        buckets = [bucket for n, message in enumerate(digests, start=1)
+                   if (bucket := index.get((namespace, "history", n, message)))]
+        if chain is not None and (bucket := index.get((namespace, "chain", 0, chain))):
+            buckets.append(bucket)
+        if prompt and (bucket := index.get((namespace, "prompt", 0, b""))):
+            buckets.append(bucket)
+        if len(buckets) == 1:  # the common case: the one history the request continues
+            return self._newest_first_of(buckets[0])
+        found: dict[str, Session] = {}
+        for bucket in buckets:
+            found.update(bucket)
+        return self._newest_first_of(found)
 
     def namespaces(self) -> dict[str, list[Session]]:
         grouped: dict[str, list[Session]] = {}
@@ -186,6 +237,43 @@ class SessionStore:
     def _newest_first(self) -> list[Session]:
         return list(reversed(self._sessions.values()))
 
+    def _own_newest_first(self, namespace: str) -> list[Session]:
+        """One namespace's sessions, most recently used first: the same order as in the
+        whole store (both move a session to the end together), without reading every
+        other namespace's."""
+        own = self._by_ns.get(namespace)
+        return list(reversed(own.values())) if own else []
+
+    def _newest_first_of(self, sessions: dict[str, Session] | None) -> list[Session]:
+        if not sessions:
+            return []
+        if len(sessions) == 1:
+            return list(sessions.values())
+        order = self._order
+        return sorted(sessions.values(), key=lambda s: order[s.id], reverse=True)
+
+    def _index(self, session: Session) -> None:
+        """File a keyless session under what may nominate it (``nominees``)."""
+        before = self._indexed.pop(session.id, ())
+        after = _index_keys(session)
+        if before == after:
+            if after:
+                self._indexed[session.id] = after
+            return
+        self._unindex(session, before)
+        for index_key in after:
+            self._nominees.setdefault(index_key, {})[session.id] = session
+        if after:
+            self._indexed[session.id] = after
+
+    def _unindex(self, session: Session, keys: tuple[_IndexKey, ...]) -> None:
+        for index_key in keys:
+            bucket = self._nominees.get(index_key)
+            if bucket is not None and bucket.get(session.id) is session:
+                del bucket[session.id]
+                if not bucket:
+                    del self._nominees[index_key]
+
     def _expire(self) -> None:
         cutoff = time.time() - self._ttl_s
         while self._sessions:
@@ -203,6 +291,7 @@ class SessionStore:
     def _account(self, session: Session) -> None:
         """Count the session's committed bytes; over the namespace's budget, its least
         recently used others go, then, alone over it, its own history."""
+        self._index(session)
         size = session.committed.size if session.committed is not None else 0
         namespace = session.namespace
         self._bytes[namespace] = self._bytes.get(namespace, 0) + size - self._sizes.get(
@@ -217,6 +306,7 @@ class SessionStore:
                 others = [s for s in own.values() if s is not session]
                 if not others:
                     session.committed = None  # alone over the budget: not kept
+                    self._index(session)
                     self._bytes[namespace] -= self._sizes.pop(session.id, 0)
                     self._sizes[session.id] = 0
                     return
@@ -226,6 +316,14 @@ class SessionStore:
     def _drop(self, session: Session) -> None:
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
+            self._order.pop(session.id, None)
+            self._unindex(session, self._indexed.pop(session.id, ()))
+            if session.key is not None:
+                keyed = self._keyed.get((session.namespace, session.key))
+                if keyed is not None and keyed.get(session.id) is session:
+                    del keyed[session.id]
+                    if not keyed:
+                        del self._keyed[session.namespace, session.key]
         own = self._by_ns.get(session.namespace)
         if own is not None and own.get(session.id) is session:
             del own[session.id]
@@ -236,3 +334,20 @@ class SessionStore:
             self._bytes[session.namespace] -= size
             if session.namespace not in self._by_ns:
                 del self._bytes[session.namespace]
+
+
+def _index_keys(session: Session) -> tuple[_IndexKey, ...]:
+    """What may nominate a keyless session with a committed history (``nominees``)."""
+    committed = session.committed
+    if session.key is not None or committed is None:
+        return ()
+    namespace = session.namespace
+    keys: list[_IndexKey] = []
+    if committed.prompt is not None:
+        keys.append((namespace, "prompt", 0, b""))
+    elif committed.digests:
+        keys.append((namespace, "history", len(committed.digests), committed.digests[-1]))
+    chain = session.chain
+    if chain is not None and chain.marked and len(chain.digests) >= NOMINATION_BAR:
+        keys.append((namespace, "chain", 0, chain.digests[NOMINATION_BAR - 1]))
+    return tuple(keys)

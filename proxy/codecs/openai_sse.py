@@ -108,16 +108,27 @@ class ClientView:
         self._generation = generation
         self._fill_cached = fill_cached
         self._held: Frame | None = None
+        self._wants_usage = client.wants_usage
 
     def encode(self, frames: Sequence[Frame]) -> bytes:
-        return b"".join(part for part in map(self.bytes_for, frames) if part)
+        # The common frame, an output chunk of a client that asked for usage (nothing is
+        # ever held back for it), is its own bytes; the rest takes ``bytes_for``.
+        out: list[bytes] = []
+        append = out.append
+        chunks_as_they_are = self._wants_usage
+        for frame in frames:
+            if chunks_as_they_are and frame.kind is _CHUNK:
+                append(frame.raw)
+            elif part := self.bytes_for(frame):
+                append(part)
+        return b"".join(out)
 
     def bytes_for(self, frame: Frame) -> bytes | None:
-        if frame.kind is _USAGE and not self._client.wants_usage:
+        if frame.kind is _USAGE and not self._wants_usage:
             return self._release_with_timings(frame)
-        out = self._release_with_timings(None)
+        out = self._release_with_timings(None) if self._held is not None else None
         own = self._own_bytes(frame)
-        if own is not None and _is_finish_chunk(frame) and not self._client.wants_usage:
+        if own is not None and not self._wants_usage and _is_finish_chunk(frame):
             self._held = frame
             return out
         return (out or b"") + own if own is not None else out
@@ -147,11 +158,7 @@ class ClientView:
 
 
 def _is_finish_chunk(frame: Frame) -> bool:
-    if frame.kind is not _CHUNK or frame.data is None:
-        return False
-    choices = frame.data.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, dict) and c.get("finish_reason") for c in choices)
+    return frame.kind is _CHUNK and frame.finish
 
 
 def ensure_usage(body: dict[str, Any], generation: Generation, *,

@@ -395,7 +395,10 @@ def test_memo_keeps_checkpoints_so_an_edit_costs_only_the_rest(
     keys = keys_of(messages)
     start = chain_for_messages([], tokenizer, cache, markers)
     memo.extend(keys, 0, start, messages, tokenizer, cache, markers)
-    assert len(memo) == len(messages) // CHECKPOINT_EVERY + 1
+    # the first message (the system prompt new conversations share), every
+    # CHECKPOINT_EVERY-th, and the whole request
+    assert len(memo) == len(messages) // CHECKPOINT_EVERY + 2
+    assert memo.longest(keys[:1]) == (1, fingerprint(messages[:1], tokenizer, markers))
     edited = copy.deepcopy(messages)
     at = CHECKPOINT_EVERY + 5
     edited[at]["content"] += " (edited)"

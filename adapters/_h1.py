@@ -1,0 +1,425 @@
+"""An httpx transport for plain-HTTP/1.1 engines on httptools' C parser (llhttp).
+
+httpx's own transport reads a response through httpcore: h11, a pure-Python parser, and
+an anyio cancel scope around every socket read. On a streamed answer that is one parse
+and one scope per engine event, the largest share of what relaying an event cost the
+proxy (``bench/results/load/PROFILE.md``). Here a connection is an ``asyncio.Protocol``
+that feeds what arrives to ``httptools.HttpResponseParser``; the body's chunks wait in a
+list until the reader takes them (all those that arrived, in one piece), and a read
+timeout is one timer per connection, re-armed only when it fires early, not a timer per
+read.
+
+Only what the proxy sends takes this path: ``http://`` requests whose body is already
+bytes (the generation requests, probes, slot actions). Everything else (a streamed
+request body, ``https``, ``HEAD``, an upgrade) goes to the ``fallback`` transport,
+httpx's own. Errors are httpx's, as its transport raises them: a connection closed
+before any response byte is ``RemoteProtocolError("Server disconnected without sending
+a response.")`` (``adapters._http.send_with_stale_retry`` retries it), a reset is
+``ReadError``, a body cut short is ``RemoteProtocolError`` ("incomplete"), a read past
+the timeout ``ReadTimeout``. Without httptools the proxy keeps httpx's transport
+(``engine_transport``); ``PREFIXPIN_ENGINE_HTTP=httpx`` chooses it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import httpx
+
+try:
+    import httptools
+except ImportError:  # pragma: no cover - a platform without the wheel
+    httptools = None  # type: ignore[assignment]
+
+HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
+RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+def engine_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport | None:
+    """The transport for an engine URL: this one when httptools is there (and
+    ``PREFIXPIN_ENGINE_HTTP`` is not ``httpx``), else None (httpx's own)."""
+    if httptools is None or os.environ.get("PREFIXPIN_ENGINE_HTTP", "").lower() == "httpx":
+        return None
+    return H1Transport(limits)
+
+
+class H1Transport(httpx.AsyncBaseTransport):
+    def __init__(self, limits: httpx.Limits | None = None,
+                 fallback: httpx.AsyncBaseTransport | None = None) -> None:
+        limits = limits or httpx.Limits()
+        self._max_idle = limits.max_keepalive_connections
+        self._expiry = limits.keepalive_expiry
+        self._fallback = fallback or httpx.AsyncHTTPTransport(limits=limits)
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._n_idle = 0
+        self._closed = False
+
+    def _serves(self, request: httpx.Request) -> bool:
+        return (request.url.scheme == "http" and request.method in RELAYED_METHODS
+                and isinstance(request.stream, httpx.ByteStream)
+                and "upgrade" not in request.headers)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not self._serves(request):
+            return await self._fallback.handle_async_request(request)
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        timeouts: dict[str, float | None] = request.extensions.get("timeout") or {}
+        url = request.url
+        key = (url.host, url.port or 80)
+        connection = self._take_idle(key)
+        if connection is None:
+            connection = await _connect(key, timeouts.get("connect"), request)
+        try:
+            connection.send(request)
+            if connection.write_paused:
+                await connection.drain(timeouts.get("write"), request)
+            await connection.head(timeouts.get("read"))
+        except BaseException:
+            connection.close()
+            raise
+        return httpx.Response(
+            connection.status, headers=connection.headers,
+            stream=_Body(self, key, connection, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason})
+
+    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            self._n_idle -= 1
+            if connection.reusable(now, self._expiry):
+                return connection
+            connection.close()
+        return None
+
+    def _release(self, key: tuple[str, int], connection: _Connection) -> None:
+        if self._closed or not connection.reusable(time.monotonic(), None) or (
+                self._max_idle is not None and self._n_idle >= self._max_idle):
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(key, []).append(connection)
+        self._n_idle += 1
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+        self._n_idle = 0
+        await self._fallback.aclose()
+        await asyncio.sleep(0)  # a turn of the loop: the closed sockets close now
+
+
+async def _connect(key: tuple[str, int], timeout_s: float | None,
+                   request: httpx.Request) -> _Connection:
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, connection = await loop.create_connection(lambda: _Connection(loop), *key)
+    except TimeoutError as exc:
+        raise httpx.ConnectTimeout("connect timed out", request=request) from exc
+    except OSError as exc:
+        raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
+    return connection
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to the engine, one request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._deadline = 0.0
+        self._in_request = False
+        self._lost = False
+        self._reading_paused = False
+        self._request: httpx.Request | None = None
+        self.write_paused = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self._buffered = 0
+        self._received = 0
+        self._head_done = False
+        self._informational = False
+        self._framed = False  # content-length or chunked: the body's end is known
+        self.complete = False
+        self.keep_alive = False
+        self.error: Exception | None = None
+
+    # ---------------------------------------------------------------- the request
+
+    def reusable(self, now: float, expiry: float | None) -> bool:
+        return (not self._lost and self.error is None and self._transport is not None
+                and not self._transport.is_closing()
+                and (expiry is None or now - self.idle_since < expiry))
+
+    def send(self, request: httpx.Request) -> None:
+        assert self._transport is not None
+        self._reset()
+        self._in_request = True
+        self._request = request
+        parts = [request.method.encode(), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
+        for name, value in request.headers.raw:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        if body := request.content:  # a ByteStream's bytes (``H1Transport._serves``)
+            parts.append(body)
+        self._transport.write(b"".join(parts))
+
+    async def drain(self, timeout_s: float | None, request: httpx.Request) -> None:
+        while self.write_paused and not self._lost:
+            waiter = self._drain_waiter = self._loop.create_future()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await waiter
+            except TimeoutError as exc:
+                raise httpx.WriteTimeout("write timed out", request=request) from exc
+        if self._lost and self.error is not None and not self._received:
+            raise self.error
+
+    async def head(self, timeout_s: float | None) -> None:
+        while not self._head_done:
+            if self.error is not None:
+                raise self.error
+            await self.wait(timeout_s)
+
+    # ---------------------------------------------------------------- reading
+
+    async def wait(self, timeout_s: float | None) -> None:
+        """Until something arrives (or the connection ends); ``ReadTimeout`` after
+        ``timeout_s`` seconds of nothing."""
+        waiter = self._waiter = self._loop.create_future()
+        if timeout_s is not None:
+            self._deadline = deadline = self._loop.time() + timeout_s
+            if self._timer is None or self._timer_at > deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer_at = deadline
+                self._timer = self._loop.call_at(deadline, self._on_timer)
+        else:
+            self._deadline = float("inf")
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms it again
+        if self._loop.time() >= self._deadline:
+            waiter.set_exception(httpx.ReadTimeout("read timed out",
+                                                   request=self._request_or_none()))
+        elif self._deadline != float("inf"):
+            self._timer_at = self._deadline
+            self._timer = self._loop.call_at(self._deadline, self._on_timer)
+
+    def take(self) -> list[bytes]:
+        chunks, self.chunks = self.chunks, []
+        self._buffered = 0
+        if self._reading_paused and not self._lost:
+            assert self._transport is not None
+            self._transport.resume_reading()
+        self._reading_paused = False
+        return chunks
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        self._in_request = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._transport is not None and not self._lost:
+            self._transport.close()
+        self._lost = True
+
+    def finish(self) -> None:
+        """The response was read to its end: the connection may serve the next one."""
+        self._in_request = False
+        self._request = None  # an idle connection holds no request body
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_request or self.complete:
+            self._broken()  # bytes nobody asked for: never reuse this connection
+            return
+        self._received += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(httpx.RemoteProtocolError("engine switched protocols",
+                                                 request=self._request_or_none()))
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}",
+                                                 request=self._request_or_none()))
+        if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._reading_paused = True
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._in_request and not self.complete and self.error is None:
+            request = self._request_or_none()
+            if exc is not None and not self._received:
+                self.error = httpx.ReadError(str(exc) or type(exc).__name__, request=request)
+            elif not self._received:
+                self.error = httpx.RemoteProtocolError(
+                    "Server disconnected without sending a response.", request=request)
+            elif self._head_done and not self._framed and self.status not in _NO_BODY_STATUS:
+                self.complete = True  # a body that ends with the connection
+                self.keep_alive = False
+            elif exc is not None:
+                self.error = httpx.ReadError(str(exc) or type(exc).__name__, request=request)
+            else:
+                self.error = httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body: "
+                    "incomplete response", request=request)
+        self._wake()
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    def on_status(self, status: bytes) -> None:
+        if not self.complete:
+            self.reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._informational or self.complete:
+            return
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self.complete:
+            return
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # 100 Continue and the like: the answer follows
+            self._informational = True
+            self.headers = []
+            self.reason = b""
+            return
+        self.status = status
+        self._head_done = True
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == b"content-length" or (
+                    lower == b"transfer-encoding" and b"chunked" in value.lower()):
+                self._framed = True
+        if self.status in _NO_BODY_STATUS:
+            self._framed = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return  # a second response nobody asked for (closed below)
+        self.chunks.append(body)
+        self._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        if self.complete:
+            self.keep_alive = False  # a second response nobody asked for
+            return
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        self._broken()
+
+    def _broken(self) -> None:
+        if self.error is None and self._in_request and not self.complete:
+            self.error = httpx.RemoteProtocolError("engine sent bytes after its response",
+                                                   request=self._request_or_none())
+        if self._transport is not None and not self._lost:
+            self._transport.close()
+        self._lost = True
+
+    def _request_or_none(self) -> Any:
+        return self._request
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response's body: every chunk that arrived since the last read, in one piece."""
+
+    def __init__(self, pool: H1Transport, key: tuple[str, int], connection: _Connection,
+                 timeout_s: float | None) -> None:
+        self._pool = pool
+        self._key = key
+        self._connection: _Connection | None = connection
+        self._timeout = timeout_s
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        connection = self._connection
+        if connection is None:
+            return
+        while True:
+            if connection.chunks:
+                chunks = connection.take()
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                continue
+            if connection.complete:
+                return
+            if connection.error is not None:
+                raise connection.error
+            await connection.wait(self._timeout)
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if connection.complete and connection.keep_alive and not connection.chunks:
+            connection.finish()
+            self._pool._release(self._key, connection)
+        else:
+            connection.close()
+            await asyncio.sleep(0)  # a turn of the loop: its socket closes now

@@ -1,0 +1,307 @@
+"""The engine transport on httptools (``adapters._h1``): bodies framed every way HTTP/1.1
+frames them, keep-alive reuse, and each failure raised as httpx's own transport raises it
+(what ``adapters._http`` maps and retries), against a raw asyncio server that answers
+exactly the bytes each test gives it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from adapters._h1 import HIGH_WATER, H1Transport, engine_transport
+from adapters._http import EngineClient, send_with_stale_retry
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + (await reader.readexactly(length) if length else b"")
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server on a free port; yields its URL and the peer port of every connection."""
+    peers: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[1])
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", peers
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+def client(url: str, **timeouts: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, transport=H1Transport(),
+                             timeout=httpx.Timeout(timeouts.get("read", 5.0), **timeouts))
+
+
+async def stream_chunks(http: httpx.AsyncClient, body: bytes = b"{}") -> list[bytes]:
+    request = http.build_request("POST", "/v1/chat/completions", content=body)
+    response = await http.send(request, stream=True)
+    try:
+        return [c async for c in response.aiter_raw()]
+    finally:
+        await response.aclose()
+
+
+async def read_into(response: httpx.Response, parts: list[bytes]) -> None:
+    async for part in response.aiter_raw():
+        parts.append(part)
+
+
+def test_a_chunked_event_stream_arrives_as_sent_and_the_connection_is_reused() -> None:
+    events = [b"data: %d\n\n" % i for i in range(5)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await read_request(reader)
+            assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+            assert b"\r\ncontent-length: 2\r\n" in request.lower()
+            assert request.endswith(b"{}")
+            writer.write(SSE_HEAD)
+            for event in events:
+                writer.write(chunk(event))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+
+    async def run() -> tuple[list[bytes], list[bytes], list[int]]:
+        async with server(handler) as (url, peers), client(url) as http:
+            first = await stream_chunks(http)
+            second = await stream_chunks(http)
+        return first, second, peers
+
+    first, second, peers = asyncio.run(run())
+    assert b"".join(first) == b"".join(second) == b"".join(events)
+    assert len(first) == len(events)  # each read as it came, not buffered to the end
+    assert len(peers) == 1  # the second request went over the first one's connection
+
+
+def test_content_length_and_until_close_bodies() -> None:
+    answers = [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+               b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end"]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while answers:
+            await read_request(reader)
+            writer.write(answers.pop(0))
+            await writer.drain()
+
+    async def run() -> list[tuple[int, bytes, str]]:
+        out = []
+        async with server(handler) as (url, _), client(url) as http:
+            for _ in range(2):
+                response = await http.get("/props")
+                out.append((response.status_code, response.content, response.reason_phrase))
+        return out
+
+    assert asyncio.run(run()) == [(200, b"hello", "OK"), (200, b"until the end", "OK")]
+
+
+def test_an_informational_answer_is_skipped() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n"
+                     b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\nx-a: 1\r\n\r\n{}")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def run() -> httpx.Response:
+        async with server(handler) as (url, _), client(url) as http:
+            return await http.get("/nope")
+
+    response = asyncio.run(run())
+    assert (response.status_code, response.content, response.headers["x-a"]) == (404, b"{}", "1")
+
+
+def test_a_connection_closed_before_any_byte_is_the_stale_keep_alive_error() -> None:
+    """What ``send_with_stale_retry`` retries on a fresh connection."""
+    calls = [0]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        calls[0] += 1
+        if calls[0] == 1:
+            return  # closed without an answer
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def run() -> tuple[str, bytes]:
+        async with server(handler) as (url, _), client(url) as http:
+            with pytest.raises(httpx.RemoteProtocolError) as caught:
+                await http.get("/health")
+            calls[0] = 0
+            response = await send_with_stale_retry(http, http.build_request("POST", "/x"))
+            body = await response.aread()
+        return str(caught.value), body
+
+    message, body = asyncio.run(run())
+    assert "without sending a response" in message
+    assert body == b"ok"
+
+
+def test_a_body_cut_short_is_an_incomplete_response() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+
+    async def run() -> list[bytes]:
+        got: list[bytes] = []
+        async with server(handler) as (url, _), client(url) as http:
+            response = await http.send(http.build_request("POST", "/x"), stream=True)
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete"):
+                await read_into(response, got)
+            await response.aclose()
+        return got
+
+    assert asyncio.run(run()) == [b"data: 1\n\n"]
+
+
+def test_a_reset_is_a_read_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.transport.abort()  # RST, not FIN: SO_LINGER is not needed for a fresh socket
+
+    async def run() -> None:
+        async with server(handler) as (url, _), client(url) as http:
+            with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+                await http.get("/health")
+
+    asyncio.run(run())
+
+
+def test_silence_past_the_read_timeout_is_a_read_timeout_each_time() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for _ in range(3):  # within the timeout each: the timer moves on with the data
+            writer.write(chunk(b"data: x\n\n"))
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        await asyncio.sleep(5)
+
+    async def run() -> tuple[int, float]:
+        got: list[bytes] = []
+        async with server(handler) as (url, _), client(url, read=0.3) as http:
+            response = await http.send(http.build_request("POST", "/x"), stream=True)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(httpx.ReadTimeout):
+                await read_into(response, got)
+            elapsed = asyncio.get_running_loop().time() - started
+            await response.aclose()
+        return len(got), elapsed
+
+    got, elapsed = asyncio.run(run())
+    assert got == 3
+    assert 0.6 < elapsed < 2.0
+
+
+def test_a_large_body_is_read_with_backpressure() -> None:
+    payload = bytes(range(256)) * (3 * HIGH_WATER // 256)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload))
+        writer.write(payload)
+        await writer.drain()
+
+    async def run() -> bytes:
+        async with server(handler) as (url, _), client(url) as http:
+            response = await http.send(http.build_request("GET", "/big"), stream=True)
+            parts = []
+            async for part in response.aiter_raw():
+                parts.append(part)
+                await asyncio.sleep(0.01)  # a slow reader: the socket is paused meanwhile
+            await response.aclose()
+        return b"".join(parts)
+
+    assert asyncio.run(run()) == payload
+
+
+def test_what_it_does_not_serve_goes_to_httpx_s_transport() -> None:
+    """A streamed request body (a client's, forwarded) and HEAD take the fallback."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"transfer-encoding: chunked" in head.lower():
+            while (size := int((await reader.readline()).strip(), 16)) != 0:
+                await reader.readexactly(size + 2)
+            await reader.readline()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"part one "
+        yield b"part two"
+
+    async def run() -> tuple[bytes, int]:
+        async with server(handler) as (url, _), client(url) as http:
+            streamed = await http.post("/x", content=body())
+            head = await http.head("/x")
+        return streamed.content, head.status_code
+
+    assert asyncio.run(run()) == (b"ok", 200)
+
+
+def test_an_unreachable_engine_is_a_connect_error() -> None:
+    async def run() -> None:
+        async with client("http://127.0.0.1:9") as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get("/health")
+
+    asyncio.run(run())
+
+
+def test_httpx_s_transport_is_chosen_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(engine_transport(httpx.Limits()), H1Transport)
+    monkeypatch.setenv("PREFIXPIN_ENGINE_HTTP", "httpx")
+    assert engine_transport(httpx.Limits()) is None
+
+
+def test_the_engine_client_keeps_no_cookie() -> None:
+    """A cookie an engine sets never goes out again (on another tenant's request)."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nset-cookie: session=tenant-a\r\n"
+                         b"content-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def run() -> int:
+        async with server(handler) as (url, _), EngineClient(
+                base_url=url, transport=H1Transport()) as http:
+            for _ in range(2):
+                await http.get("/props")
+            return len(http.cookies.jar)
+
+    assert asyncio.run(run()) == 0
+    assert not any(b"cookie:" in request.lower() for request in seen)

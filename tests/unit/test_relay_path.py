@@ -1,0 +1,194 @@
+"""The relay's per-event path: output chunks kept as bytes and parsed only when read
+(``Frame.unparsed``), classified exactly as when every event was parsed; a subscriber's
+waits, batched and timed by one timer; the OpenAI encoder's fast path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from adapters._llama_native import NativeClassifier
+from adapters._openai_sse import classify
+from core.errors import UpstreamProtocolError
+from core.figures import figures_from
+from core.frames import Frame, FrameKind
+from core.sse import SSEDecoder
+from proxy.codecs.openai_sse import ClientView
+from proxy.generation import Generation
+from proxy.validation import parse_request
+
+ENVELOPE = {"id": "c1", "created": 1, "model": "m", "object": "chat.completion.chunk"}
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+    return event({**ENVELOPE, "choices": [{"index": 0, "delta": delta,
+                                           "finish_reason": finish}], **extra})
+
+
+STREAM = [
+    chunk({"role": "assistant", "content": None},
+          prompt_progress={"total": 4, "cache": 1, "processed": 4, "time_ms": 1.5}),
+    chunk({"role": "assistant", "content": None}),
+    chunk({"content": ""}),  # empty: not output
+    chunk({"content": None}),
+    chunk({"content": "Hel"}),
+    chunk({"reasoning_content": "hmm"}),
+    chunk({"tool_calls": [{"index": 0, "id": "t", "function": {"name": "f"}}]}),
+    chunk({"content": "lo"}, timings={"cache_n": 1, "prompt_n": 3, "prompt_ms": 2.0}),
+    chunk({}, "stop"),
+    event({**ENVELOPE, "choices": [],
+           "usage": {"prompt_tokens": 4, "completion_tokens": 2,
+                     "prompt_tokens_details": {"cached_tokens": 1}},
+           "timings": {"cache_n": 1, "prompt_n": 3, "prompt_ms": 2.0}}),
+    b"data: [DONE]\n\n",
+]
+
+
+def frames_of(raw: list[bytes]) -> list[Frame]:
+    decoder = SSEDecoder()
+    return [classify(e) for r in raw for e in decoder.feed(r)]
+
+
+def test_plain_output_chunks_are_parsed_only_when_read() -> None:
+    frames = frames_of(STREAM)
+    kinds = [f.kind for f in frames]
+    assert kinds == [FrameKind.PROGRESS] + [FrameKind.CHUNK] * 8 + [FrameKind.USAGE,
+                                                                      FrameKind.DONE]
+    assert [f.has_output for f in frames] == [False, False, False, False, True, True, True,
+                                              True, False, False, False]
+    # Only the plain output chunks wait unparsed (timings or not: the figures find those in
+    # the bytes); every other frame is read while it streams.
+    assert [f.parsed for f in frames] == [True, True, True, True, False, False, False, False,
+                                          True, True, True]
+    assert [f.finish for f in frames] == [False] * 8 + [True, False, False]
+    for raw, frame in zip(STREAM, frames, strict=True):
+        expected = None if raw.startswith(b"data: [") else json.loads(raw[6:])
+        assert frame.data == expected
+        assert frame.raw == raw
+    assert all(f.parsed for f in frames)  # read once, kept
+
+
+def test_an_unparsed_frame_equals_its_parsed_twin() -> None:
+    (lazy,) = frames_of([chunk({"content": "x"})])
+    assert not lazy.parsed
+    eager = Frame(FrameKind.CHUNK, lazy.raw, json.loads(lazy.raw[6:]), None, True)
+    assert lazy == eager
+    assert "content" in repr(lazy)
+
+
+def test_a_malformed_event_is_refused_when_classified_not_when_read() -> None:
+    """What is relayed has parsed: a broken event never reaches a client first."""
+    with pytest.raises(UpstreamProtocolError, match="not JSON"):
+        frames_of([b'data: {"choices":[{"delta":{"content":"x"}}\n\n'])
+    with pytest.raises(UpstreamProtocolError, match="not a JSON object"):
+        frames_of([b"data: [1, 2]\n\n"])
+
+
+def test_figures_are_the_same_with_unparsed_chunks() -> None:
+    lazy = frames_of(STREAM)
+    eager = [Frame(f.kind, f.raw, f.data, f.progress, f.has_output) for f in frames_of(STREAM)]
+    assert figures_from(lazy, None) == figures_from(eager, None)
+    assert figures_from(lazy, None).cached_tokens == 1
+    assert not lazy[4].parsed  # nothing in a plain chunk's bytes names a figure
+    assert lazy[7].parsed  # its timings do
+
+
+def test_native_text_events_wait_unparsed() -> None:
+    classify_native = NativeClassifier()
+    decoder = SSEDecoder()
+    raw = [event({"index": 0, "content": "", "stop": False,
+                  "prompt_progress": {"total": 2, "cache": 0, "processed": 2, "time_ms": 1}}),
+           event({"index": 0, "content": " Paris", "stop": False}),
+           event({"index": 0, "content": "", "stop": True, "timings": {"cache_n": 0}})]
+    frames = [classify_native(e) for r in raw for e in decoder.feed(r)]
+    assert [f.kind for f in frames] == [FrameKind.PROGRESS, FrameKind.CHUNK, FrameKind.DONE]
+    assert [f.parsed for f in frames] == [True, False, True]
+    assert frames[1].data == {"index": 0, "content": " Paris", "stop": False}
+
+
+def test_the_sse_fast_path_and_the_buffered_path_agree() -> None:
+    whole = b"".join(STREAM)
+    for size in (1, 7, 64, len(whole)):
+        decoder = SSEDecoder()
+        events = [e for i in range(0, len(whole), size) for e in decoder.feed(whole[i:i + size])]
+        assert [e.raw for e in events] == STREAM
+
+
+def client_of(**body: Any) -> Any:
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                      **body}).encode()
+    return parse_request(raw, "chat", "/v1/chat/completions", max_messages=100)
+
+
+def opener_of(generation: Generation) -> Any:
+    raise AssertionError("never opened")
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_the_encoder_relays_the_same_bytes_in_batches_or_one_by_one(usage: bool) -> None:
+    async def run() -> tuple[bytes, bytes]:
+        generation = Generation(opener_of, grace_s=0)
+        client = client_of(**({"stream_options": {"include_usage": True}} if usage else {}))
+        frames = frames_of(STREAM)
+        whole = ClientView(client, generation).encode(frames)
+        one_by_one = ClientView(client, generation)
+        parts = b"".join(one_by_one.encode([f]) for f in frames) + (one_by_one.flush() or b"")
+        return whole, parts
+
+    whole, parts = asyncio.run(run())
+    assert whole == parts
+    if usage:
+        assert whole == b"".join(STREAM[1:])  # progress not asked for; the rest as it came
+    else:  # no usage chunk; the finish chunk carries its timings, as the engine would
+        assert b'"usage"' not in whole
+        assert b'"finish_reason":"stop"' in whole
+        assert b'"timings"' in whole.split(b"\n\n")[-3]
+
+
+def test_a_subscriber_waits_with_one_timer_and_gets_what_arrived_in_one_batch() -> None:
+    async def run() -> None:
+        generation = Generation(opener_of, grace_s=0)
+        subscriber = generation.subscribe()
+        loop = asyncio.get_running_loop()
+        # Silence: the deadline passes, a heartbeat's turn (None).
+        started = loop.time()
+        assert await subscriber.next_frames(loop.time() + 0.05, 16) is None
+        assert 0.04 <= loop.time() - started < 0.5
+        assert generation._waiters == []  # a wait that timed out leaves nothing behind
+        frames = frames_of(STREAM[1:4])
+        # Three frames of one engine read: the waiting client wakes once and takes them all.
+        waiting = asyncio.ensure_future(subscriber.next_frames(loop.time() + 10, 16))
+        await asyncio.sleep(0)
+        for frame in frames:
+            generation._append(frame)
+        assert await waiting == frames
+        # Many short waits in a row arm no more than a timer each time it fires.
+        for _ in range(20):
+            assert await subscriber.next_frames(loop.time() + 0.001, 16) is None
+        generation.completed = True
+        generation._notify()
+        with pytest.raises(StopAsyncIteration):
+            await subscriber.next_frames(loop.time() + 10, 16)
+        subscriber.close()
+        assert subscriber._timer is None
+
+    asyncio.run(run())
+
+
+def test_changed_is_set_at_the_next_change_only() -> None:
+    async def run() -> None:
+        generation = Generation(opener_of, grace_s=0)
+        changed = generation.changed()
+        assert generation.changed() is changed  # the same event until the change
+        generation._append(frames_of(STREAM[1:2])[0])
+        assert changed.is_set()
+        assert not generation.changed().is_set()
+
+    asyncio.run(run())
