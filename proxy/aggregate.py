@@ -96,6 +96,27 @@ def aggregate(frames: Sequence[Frame], *, chat: bool) -> dict[str, Any]:
     return result
 
 
+def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
+    """The first choice's ``message``, as ``aggregate`` folds it, from the deltas alone:
+    what a turn commits (``Codec.reply``), read at the end of every chat generation, so
+    nothing else of a chunk (its envelope, logprobs) is folded. None without a choice."""
+    choices: dict[int, _Choice] = {}
+    for frame in frames:
+        if frame.kind is not FrameKind.CHUNK:
+            continue
+        data = frame.data
+        listed = data.get("choices") if data is not None else None
+        for choice in listed if isinstance(listed, list) else ():
+            if isinstance(choice, Mapping):
+                delta = choice.get("delta")
+                state = _choice_of(choices, choice, True)
+                if isinstance(delta, Mapping):
+                    state._fold_delta(delta)
+    if not choices:
+        return None
+    return choices[min(choices)].finish()["message"]  # type: ignore[no-any-return]
+
+
 def _keep_last(into: dict[str, Any], key: str, value: object) -> None:
     """The last value that is not null (the key kept, null, when every value was)."""
     if value is not None or key not in into:
@@ -153,7 +174,11 @@ class _Choice:
         for key, part in value.items():
             held = self.logprobs.get(key)
             if isinstance(part, list):
-                self.logprobs[key] = [*held, *part] if isinstance(held, list) else list(part)
+                if isinstance(held, _Owned):
+                    held.extend(part)  # in place: a copy per chunk would be quadratic
+                else:
+                    self.logprobs[key] = _Owned([*held, *part] if isinstance(held, list)
+                                                else part)
             else:
                 _keep_last(self.logprobs, key, part)
 
@@ -161,26 +186,43 @@ class _Choice:
         for key, value in delta.items():
             if key == "content":
                 if isinstance(value, str):
-                    self.content = [*(self.content or ()), value]
+                    if self.content is None:
+                        self.content = []
+                    self.content.append(value)
             elif key == "tool_calls":
                 for call in value if isinstance(value, list) else ():
                     if isinstance(call, Mapping):
                         _fold_tool_call(self.tool_calls, call)
             else:
+                held = self.message.get(key)
+                if isinstance(value, str) and key not in REPLACED:
+                    # Text fields (reasoning_content, ...) collect their pieces, joined once
+                    # at the end: a string grown per chunk would be copied per chunk.
+                    if isinstance(held, _Pieces):
+                        held.append(value)
+                        continue
+                    if isinstance(held, str):
+                        self.message[key] = _Pieces((held, value))
+                        continue
+                elif isinstance(held, _Pieces):
+                    self.message[key] = "".join(held)  # merged by the rules from here on
                 merge_delta(self.message, key, value)
 
     def logprob_list(self) -> list[Any]:
         content = (self.logprobs or {}).get("content")
-        return content if isinstance(content, list) else []
+        return list(content) if isinstance(content, list) else []
 
     def whole_text(self) -> str:
         return "".join(self.content or ()) if self.chat else "".join(self.text)
 
     def finish(self) -> dict[str, Any]:
         if not self.chat:
-            return {"text": "".join(self.text), "index": self.index, "logprobs": self.logprobs,
+            return {"text": "".join(self.text), "index": self.index,
+                    "logprobs": _plain(self.logprobs),
                     "finish_reason": self.finish_reason, **self.fields}
-        message: dict[str, Any] = {"role": "assistant", **self.message,
+        fields = {key: "".join(value) if isinstance(value, _Pieces) else value
+                  for key, value in self.message.items()}
+        message: dict[str, Any] = {"role": "assistant", **fields,
                                    "content": None if self.content is None
                                    else "".join(self.content)}
         if self.tool_calls:
@@ -188,8 +230,23 @@ class _Choice:
         choice: dict[str, Any] = {"finish_reason": self.finish_reason, "index": self.index,
                                   "message": message}
         if self.logprobs_seen:
-            choice["logprobs"] = self.logprobs
+            choice["logprobs"] = _plain(self.logprobs)
         return {**choice, **self.fields}
+
+
+class _Pieces(list[str]):
+    """A delta's text field while it is folded: its pieces, joined at the end."""
+
+
+class _Owned(list[Any]):
+    """A logprobs list the fold made itself (extended in place; never a chunk's own)."""
+
+
+def _plain(logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    return {key: list(value) if isinstance(value, _Owned) else value
+            for key, value in logprobs.items()}
 
 
 def merge_delta(into: dict[str, Any], key: str, value: object) -> None:

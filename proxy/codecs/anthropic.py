@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse, Response
 from core.errors import BadRequestError, ProxyError
 from core.figures import Figures, count_of, figures_from, mapping_of
 from core.frames import Frame, FrameKind
-from proxy.aggregate import aggregate
+from proxy.aggregate import aggregate, assistant_message
 from proxy.codecs.anthropic_convert import (
     answer_blocks,
     check_request,
@@ -137,7 +137,7 @@ class AnthropicCodec:
     def reply(self, frames: Sequence[Frame]) -> Mapping[str, Any] | None:
         """The answer as the client sends it back next turn (its content blocks), read
         through the same conversion as that next request."""
-        message = _answer(aggregate(frames, chat=True))
+        message = assistant_message(frames)
         if message is None:
             return None
         converted = convert_message({"role": "assistant", "content": answer_blocks(message)})

@@ -27,7 +27,7 @@ from core.errors import ProxyError, error_event, error_response
 from core.figures import count_of, figures_from, mapping_of, with_cached_tokens
 from core.frames import Frame, FrameKind
 from core.sse import encode_comment, encode_data
-from proxy.aggregate import aggregate
+from proxy.aggregate import aggregate, assistant_message
 from proxy.generation import Generation
 from proxy.validation import Api, ClientRequest, Endpoint, parse_request
 
@@ -85,11 +85,7 @@ class OpenAICodec:
     def reply(self, frames: Sequence[Frame]) -> Mapping[str, Any] | None:
         if not self._chat:
             return None  # a completion has no assistant message
-        choices = aggregate(frames, chat=True).get("choices") or []
-        if not choices or not isinstance(choices[0].get("message"), Mapping):
-            return None
-        message: Mapping[str, Any] = choices[0]["message"]
-        return message
+        return assistant_message(frames)
 
 
 class ClientView:

@@ -82,7 +82,7 @@ from core.errors import BadRequestError, ProxyError, error_response
 from core.figures import count_of, figures_from, mapping_of
 from core.frames import Frame, FrameKind
 from core.sse import encode_comment
-from proxy.aggregate import aggregate
+from proxy.aggregate import aggregate, assistant_message
 from proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from proxy.codecs.responses_convert import (
     fallback_call_id,
@@ -212,10 +212,10 @@ class ResponsesCodec:
         return error_response(exc)
 
     def reply(self, frames: Sequence[Frame]) -> Mapping[str, Any] | None:
-        choices = aggregate(frames, chat=True).get("choices") or []
-        if not choices or not isinstance(choices[0].get("message"), Mapping):
+        message = assistant_message(frames)
+        if message is None:
             return None
-        return reply_message(output_items(_with_reasoning(choices[0]["message"])))
+        return reply_message(output_items(_with_reasoning(message)))
 
 
 class _Item:

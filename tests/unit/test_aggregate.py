@@ -8,7 +8,7 @@ from typing import Any
 from adapters._openai_sse import classify
 from adapters.base import Frame
 from core.sse import SSEDecoder
-from proxy.aggregate import aggregate
+from proxy.aggregate import aggregate, assistant_message
 
 
 def frames(*payloads: dict[str, Any] | str) -> list[Frame]:
@@ -209,3 +209,38 @@ def test_completions_verbose_is_the_final_one_completed() -> None:
                             cmpl("", verbose_final(), "length")), chat=False)
     assert body["__verbose"] == verbose_final(" a b", stream=False)
     assert "completion_probabilities" not in body["__verbose"]
+
+
+def test_a_text_field_grown_piece_by_piece_then_merged_by_the_rules() -> None:
+    """A delta's text field concatenates however many pieces come; a value of another
+    kind afterwards is merged by the same rules as before (here: replaces it)."""
+    pieces = [chunk({"reasoning_content": f"r{i} "}) for i in range(500)]
+    body = aggregate(frames(*pieces, chunk({"content": "ok"}, "stop")), chat=True)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "".join(f"r{i} " for i in range(500))
+    assert type(message["reasoning_content"]) is str
+    mixed = aggregate(frames(chunk({"extra": "a"}), chunk({"extra": "b"}),
+                             chunk({"extra": {"k": 1}}), chunk({"extra": {"j": 2}})), chat=True)
+    assert mixed["choices"][0]["message"]["extra"] == {"k": 1, "j": 2}
+
+
+def test_the_committed_message_is_the_folded_answer_s() -> None:
+    """``assistant_message`` (what a turn commits) equals the whole answer's message for
+    text, reasoning, tool calls, fields without a rule and logprobs alike."""
+    streams = [
+        frames(chunk({"role": "assistant", "content": None}), chunk({"reasoning_content": "t"}),
+               chunk({"content": "He"}), chunk({"content": "llo"}), chunk({}, "stop"),
+               {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}, "[DONE]"),
+        frames(chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                      "function": {"name": "read", "arguments": '{"p'}}]}),
+               chunk({"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]}),
+               chunk({"annotation": "p", "extra": {"a": "x"}}), chunk({"extra": {"a": "y"}}),
+               chunk({}, "tool_calls")),
+        frames(*[lp_chunk(t, -1.0) for t in ("a", "b", "c")], chunk({}, "length")),
+        frames({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}),
+    ]
+    for stream in streams:
+        folded = aggregate(stream, chat=True)["choices"]
+        expected = folded[0]["message"] if folded else None
+        assert assistant_message(stream) == expected
+    assert assistant_message(streams[-1]) is None
