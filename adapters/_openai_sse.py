@@ -46,8 +46,27 @@ def classify(event: SSEEvent) -> Frame:
     if has_output and progress is None and not finish:
         # A plain output chunk, the bulk of a stream: relayed as its bytes, the objects it
         # parsed into let go, made again only if something reads them (``Frame.unparsed``).
-        return Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+        frame = Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+        frame.figured = "timings" in data or "usage" in data  # (llama-server's per token)
+        _note_plain_delta(frame, choices)
+        return frame
     return Frame(_CHUNK, event.raw, data, progress, has_output, finish)
+
+
+def _note_plain_delta(frame: Frame, choices: object) -> None:
+    """A chat chunk of one choice (index 0) whose delta is one text field: that field and
+    its text, so the reply folded at the end needs no parse of it (``assistant_message``)."""
+    if type(choices) is not list or len(choices) != 1:
+        return
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("index", 0) != 0 or choice.get("index") is False:
+        return
+    delta = choice.get("delta")
+    if type(delta) is not dict or len(delta) != 1:
+        return
+    for field, value in delta.items():
+        if type(value) is str and field in ("content", "reasoning_content"):
+            frame.delta_field, frame.delta_text = field, value
 
 
 def parse_progress(value: object) -> Progress | None:

@@ -55,7 +55,8 @@ def figures_from(frames: Sequence[Frame], progress: Progress | None) -> Figures:
     native: Mapping[str, Any] | None = None
     finals: list[Mapping[str, Any]] = []
     for frame in frames:
-        if not frame.parsed and not _names_a_figure(frame.raw):
+        if not frame.parsed and not (frame.figured if frame.figured is not None
+                                     else _names_a_figure(frame.raw)):
             continue  # a plain output chunk (``Frame.unparsed``): nothing to parse it for
         data = frame.data or {}
         if isinstance(data.get("timings"), Mapping):

@@ -48,7 +48,8 @@ class Frame:
     the adapter found it; read from ``data`` when the adapter did not say.
     """
 
-    __slots__ = ("_data", "_finish", "_payload", "has_output", "kind", "progress", "raw")
+    __slots__ = ("_data", "_finish", "_payload", "delta_field", "delta_text", "figured",
+                 "has_output", "kind", "progress", "raw")
 
     def __init__(self, kind: FrameKind, raw: bytes, data: Mapping[str, Any] | None = None,
                  progress: Progress | None = None, has_output: bool = False,
@@ -60,6 +61,14 @@ class Frame:
         self.has_output = has_output  # generated text or a tool-call delta (the TTFT clock)
         self._finish = finish
         self._payload: str | bytes | None = None
+        # What an unparsed chunk's adapter read of it before letting its objects go:
+        # ``delta_field``/``delta_text``: the one text field of its one choice's delta (a
+        # chat chunk that carries only ``content`` or ``reasoning_content``), for the reply
+        # folded at the end; ``figured``: whether it has a field figures are read from
+        # (None: not said, the bytes are searched).
+        self.delta_field: str | None = None
+        self.delta_text: str | None = None
+        self.figured: bool | None = None
 
     @classmethod
     def unparsed(cls, kind: FrameKind, raw: bytes, payload: str | bytes,

@@ -104,6 +104,13 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
     for frame in frames:
         if frame.kind is not FrameKind.CHUNK:
             continue
+        if frame.delta_field is not None and frame.delta_text is not None:
+            # its adapter read the one text field of choice 0's delta: no parse
+            first = choices.get(0)
+            if first is None:
+                first = choices[0] = _Choice(0, True)
+            first._fold_delta({frame.delta_field: frame.delta_text})
+            continue
         data = frame.data
         listed = data.get("choices") if data is not None else None
         for choice in listed if isinstance(listed, list) else ():

@@ -144,6 +144,18 @@ async def still_serves(client: httpx.AsyncClient) -> None:
     COUNTS["follow-up requests"] += 1
 
 
+@pytest.fixture(autouse=True, params=["httptools", "httpx"])
+def engine_http(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every fault against both engine transports: httptools' (``adapters/_h1.py``, the
+    default) and httpx's own, the pure-Python path where httptools has no wheel."""
+    transport = str(request.param)
+    if transport == "httpx":
+        monkeypatch.setenv("PREFIXPIN_ENGINE_HTTP", "httpx")
+    else:
+        monkeypatch.delenv("PREFIXPIN_ENGINE_HTTP", raising=False)
+    return transport
+
+
 @pytest.fixture(autouse=True)
 def no_unexpected_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """No fault may surface as an unexpected exception: not in the app's handler, not as

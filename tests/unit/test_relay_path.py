@@ -75,6 +75,22 @@ def test_plain_output_chunks_are_parsed_only_when_read() -> None:
     assert all(f.parsed for f in frames)  # read once, kept
 
 
+def test_a_plain_chunk_says_its_one_text_field_and_whether_it_has_figures() -> None:
+    """What the reply fold and the figures read of a chunk without parsing it again: the
+    one text field of choice 0's delta, only when that is all the delta holds."""
+    frames = frames_of(STREAM)
+    said = [(f.delta_field, f.delta_text, f.figured) for f in frames]
+    assert said[4] == ("content", "Hel", False)
+    assert said[5] == ("reasoning_content", "hmm", False)
+    assert said[6] == (None, None, False)  # a tool call: parsed when the reply is folded
+    assert said[7] == ("content", "lo", True)  # llama-server's timings on a delta
+    two = frames_of([chunk({"content": "a", "reasoning_content": "b"}),
+                     event({**ENVELOPE, "choices": [{"index": 1, "delta": {"content": "x"}}]}),
+                     event({**ENVELOPE, "choices": [{"index": 0, "delta": {"content": "y"}},
+                                                    {"index": 1, "delta": {"content": "z"}}]})])
+    assert [(f.delta_field, f.delta_text) for f in two] == [(None, None)] * 3
+
+
 def test_an_unparsed_frame_equals_its_parsed_twin() -> None:
     (lazy,) = frames_of([chunk({"content": "x"})])
     assert not lazy.parsed
