@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
+from bench.provenance import git_revision, host_lines
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
@@ -335,15 +335,10 @@ def plot(rows: list[TurnRow], args: argparse.Namespace, path: Path) -> None:
 def run_md(command: str, args: argparse.Namespace, engines: list[LlamaServerProcess],
            summary: str) -> str:
     props = httpx.get(f"{engines[0].url}/props", timeout=10).json()
-    import os
-    import platform
 
     return "\n".join([
         "# Run: several backends and replicas", "", "```", command, "```", "",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
-        f"{platform.system()} {platform.release()}; other work may share it",
-        f"- python {platform.python_version()}; "
-        + ", ".join(f"{k} {v}" for k, v in package_versions().items()),
+        *host_lines(dated=False, shared=True),
         f"- repository: {git_revision(REPO)}",
         f"- llama-server build_info: {props.get('build_info', 'unknown')}; "
         f"{args.backends} servers, each: `{' '.join(engines[0].args[3:])}` "

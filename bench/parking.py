@@ -35,12 +35,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +52,7 @@ from bench.arms import TEMPLATES, check_arms_with_alone
 from bench.clients.base import Request
 from bench.clients.interleaved import InterleavedClient
 from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_argv
-from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
+from bench.provenance import git_revision, host_lines
 from bench.runner import HTTP_TIMEOUT, Turn, send_turn
 from bench.transcript import Transcript, load_named
 from bench.trees import operator_url
@@ -409,11 +407,7 @@ def run_md(command: str, table: str, props: dict[str, Any], llama_argv: list[str
     settings = props.get("default_generation_settings", {})
     lines = [
         "# Run: parking", "", "```", command, "```", "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
-        f"{platform.system()} {platform.release()}",
-        f"- python {platform.python_version()}; "
-        + ", ".join(f"{k} {v}" for k, v in package_versions().items()),
+        *host_lines(),
         f"- repository: {git_revision(REPO)}",
         f"- llama-server build_info: {props.get('build_info', 'unknown')}; model "
         f"{Path(str(props.get('model_path', 'unknown'))).name}; {props.get('total_slots')} "

@@ -57,6 +57,18 @@ def git_revision(repo: Path) -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
+def host_lines(*, dated: bool = True, shared: bool = False) -> list[str]:
+    """A RUN.md's date, machine and Python lines (``shared``: the machine line says that
+    other work may share it)."""
+    machine = (f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
+               f"{platform.system()} {platform.release()}"
+               + ("; other work may share it" if shared else ""))
+    python = (f"- python {platform.python_version()}; "
+              + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
+    date = f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}"
+    return [date, machine, python] if dated else [machine, python]
+
+
 def run_md(*, command: str, scenario: str, summary_md: str, engine_props: dict[str, Any],
            llama_argv: list[str] | None, notes: list[str], repo: Path) -> str:
     props = engine_props
@@ -64,11 +76,7 @@ def run_md(*, command: str, scenario: str, summary_md: str, engine_props: dict[s
     lines = [
         f"# Run: {scenario}", "",
         "```", command, "```", "",
-        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
-        f"{platform.system()} {platform.release()}",
-        f"- python {platform.python_version()}; "
-        + ", ".join(f"{k} {v}" for k, v in package_versions().items()),
+        *host_lines(),
         f"- repository: {git_revision(repo)}",
         f"- llama-server build_info: {props.get('build_info', 'unknown')}; model "
         f"{Path(str(props.get('model_path', 'unknown'))).name}; {props.get('total_slots')} slots "

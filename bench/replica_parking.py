@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -67,7 +66,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.arms import check_arms_with_alone
-from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
+from bench.provenance import git_revision, host_lines
 from bench.trees import Tree
 from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
@@ -477,11 +476,7 @@ def run_md(command: str, table: str, props: dict[str, Any], argvs: dict[str, lis
                       f"{before['proxy_cli']}; {changes} uncommitted product files)")
     lines = [
         "# Run: parking behind replicas", "", "```", command, "```", "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
-        f"{platform.system()} {platform.release()}; other work may share it",
-        f"- python {platform.python_version()}; "
-        + ", ".join(f"{k} {v}" for k, v in package_versions().items()),
+        *host_lines(shared=True),
         f"- repository: {git_revision(REPO)}; `before` arm: worktree of {before_rev}",
         f"- llama-server build_info: {props.get('build_info', 'unknown')}; model "
         f"{Path(str(props.get('model_path', 'unknown'))).name}; {props.get('total_slots')} "

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import shutil
 import sys
@@ -64,7 +63,7 @@ from bench.agents.report import (
     side_by_side,
     summarize,
 )
-from bench.provenance import cpu_model, git_revision, memory_gib, package_versions
+from bench.provenance import git_revision, host_lines
 from tests.rig.agent_clis import CLIS, ENGINE_CAP_ARGS, AgentSession, Cli
 from tests.rig.agents import AGENTS, ensure_agent
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
@@ -471,11 +470,7 @@ def run_md(command: str, table: str, seen: Seen, notes: list[str], found: list[s
     settings = props.get("default_generation_settings", {})
     return "\n".join([
         "# Run: the agent bench (real CLIs, direct vs prefixpin)", "", "```", command, "```", "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {memory_gib()} RAM, "
-        f"{platform.system()} {platform.release()}; other work may share it",
-        f"- python {platform.python_version()}; "
-        + ", ".join(f"{k} {v}" for k, v in package_versions().items()),
+        *host_lines(shared=True),
         f"- repository: {git_revision(REPO)}",
         "- CLIs: " + ", ".join(f"{k} {v}" for k, v in seen.cli_versions.items()),
         f"- llama-server build_info: {props.get('build_info', 'unknown')}; model "
