@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -326,17 +326,9 @@ class AffinityPlanner:
         # messages, its chain at the bar, a raw prompt): not every session of the namespace.
         bar_digest = (chain.digests[NOMINATION_BAR - 1] if chain is not None and chain.marked
                       and len(chain.digests) >= NOMINATION_BAR else None)
-        keyless = [s for s in self.store.nominees(namespace, digests=digests, chain=bar_digest,
-                                                  prompt=isinstance(prompt, str))
-                   if s.committed is not None]
-        exact = [s for s in keyless if _is_prefix_of(s, digests, prompt)]
-        exact.sort(key=lambda s: -len(s.committed.digests) if s.committed else 0)
-        if chain is None:
-            return exact
-        fuzzy = [s for s in keyless if s not in exact and s.chain is not None
-                 and nominates(chain, s.chain, NOMINATION_BAR)]
-        fuzzy.sort(key=lambda s: -shared_leading(chain, s.chain) if s.chain else 0)
-        return exact + fuzzy
+        return ranked(self.store.nominees(namespace, digests=digests, chain=bar_digest,
+                                          prompt=isinstance(prompt, str)),
+                      chain, digests, prompt)
 
     def _resume(self, session: Session, tier: Tier, match: Match,
                 chain: Chain | None) -> Decision:
@@ -423,6 +415,22 @@ def infill_identity(body: Mapping[str, Any]) -> str:
         if isinstance(chunk, Mapping):
             parts.append(f"{chunk.get('filename') or ''}\x1f{chunk.get('text') or ''}\x1e")
     return "".join(parts)
+
+
+def ranked(sessions: Iterable[Session], chain: Chain | None, digests: Sequence[bytes],
+           prompt: object) -> list[Session]:
+    """The keyless candidates among ``sessions``, in the planner's order: those whose
+    committed history the request repeats as its prefix (longest first), then those its
+    fingerprint chain nominates (most shared segments first)."""
+    keyless = [s for s in sessions if s.committed is not None]
+    exact = [s for s in keyless if _is_prefix_of(s, digests, prompt)]
+    exact.sort(key=lambda s: -len(s.committed.digests) if s.committed else 0)
+    if chain is None:
+        return exact
+    fuzzy = [s for s in keyless if s not in exact and s.chain is not None
+             and nominates(chain, s.chain, NOMINATION_BAR)]
+    fuzzy.sort(key=lambda s: -shared_leading(chain, s.chain) if s.chain else 0)
+    return exact + fuzzy
 
 
 def _is_prefix_of(session: Session, digests: Sequence[bytes], prompt: object) -> bool:

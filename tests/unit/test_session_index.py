@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from fingerprint import Chain, chain, nominates, shared_leading
-from proxy.affinity import AffinityPlanner, _is_prefix_of
+from fingerprint import Chain, chain
+from proxy.affinity import AffinityPlanner, ranked
 from proxy.history import Committed, digest
-from proxy.sessions import NOMINATION_BAR, Session, SessionStore
+from proxy.sessions import Session, SessionStore
 
 OPENERS = [1]
 NAMESPACES = ("anon", "t-other")
@@ -21,16 +21,9 @@ TEXTS = ("sys", "hi", "hello", "bye")
 
 def scanned(store: SessionStore, namespace: str, chain_: Chain | None,
             digests: Sequence[bytes], prompt: object) -> list[Session]:
-    """The candidates as the planner found them before the index: every keyless session."""
-    keyless = [s for s in store.keyless(namespace) if s.committed is not None]
-    exact = [s for s in keyless if _is_prefix_of(s, digests, prompt)]
-    exact.sort(key=lambda s: -len(s.committed.digests) if s.committed else 0)
-    if chain_ is None:
-        return exact
-    fuzzy = [s for s in keyless if s not in exact and s.chain is not None
-             and nominates(chain_, s.chain, NOMINATION_BAR)]
-    fuzzy.sort(key=lambda s: -shared_leading(chain_, s.chain) if s.chain else 0)
-    return exact + fuzzy
+    """The candidates as the planner found them before the index: every keyless session,
+    ranked as the planner ranks what its index gives it."""
+    return ranked(store.keyless(namespace), chain_, digests, prompt)
 
 
 def random_messages(rng: random.Random) -> list[dict[str, str]]:
