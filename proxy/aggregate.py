@@ -106,10 +106,7 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
             continue
         if frame.delta_field is not None and frame.delta_text is not None:
             # its adapter read the one text field of choice 0's delta: no parse
-            first = choices.get(0)
-            if first is None:
-                first = choices[0] = _Choice(0, True)
-            first._fold_delta({frame.delta_field: frame.delta_text})
+            _state_at(choices, 0, True)._fold_field(frame.delta_field, frame.delta_text)
             continue
         data = frame.data
         listed = data.get("choices") if data is not None else None
@@ -133,9 +130,13 @@ def _keep_last(into: dict[str, Any], key: str, value: object) -> None:
 def _choice_of(choices: dict[int, _Choice], choice: Mapping[str, Any], chat: bool) -> _Choice:
     index = choice.get("index")
     key = index if isinstance(index, int) and not isinstance(index, bool) else 0
-    state = choices.get(key)
+    return _state_at(choices, key, chat)
+
+
+def _state_at(choices: dict[int, _Choice], index: int, chat: bool) -> _Choice:
+    state = choices.get(index)
     if state is None:
-        state = choices[key] = _Choice(key, chat)
+        state = choices[index] = _Choice(index, chat)
     return state
 
 
@@ -191,29 +192,33 @@ class _Choice:
 
     def _fold_delta(self, delta: Mapping[str, Any]) -> None:
         for key, value in delta.items():
-            if key == "content":
-                if isinstance(value, str):
-                    if self.content is None:
-                        self.content = []
-                    self.content.append(value)
-            elif key == "tool_calls":
-                for call in value if isinstance(value, list) else ():
-                    if isinstance(call, Mapping):
-                        _fold_tool_call(self.tool_calls, call)
-            else:
-                held = self.message.get(key)
-                if isinstance(value, str) and key not in REPLACED:
-                    # Text fields (reasoning_content, ...) collect their pieces, joined once
-                    # at the end: a string grown per chunk would be copied per chunk.
-                    if isinstance(held, _Pieces):
-                        held.append(value)
-                        continue
-                    if isinstance(held, str):
-                        self.message[key] = _Pieces((held, value))
-                        continue
-                elif isinstance(held, _Pieces):
-                    self.message[key] = "".join(held)  # merged by the rules from here on
-                merge_delta(self.message, key, value)
+            self._fold_field(key, value)
+
+    def _fold_field(self, key: str, value: object) -> None:
+        """One field of a delta onto the message."""
+        if key == "content":
+            if isinstance(value, str):
+                if self.content is None:
+                    self.content = []
+                self.content.append(value)
+        elif key == "tool_calls":
+            for call in value if isinstance(value, list) else ():
+                if isinstance(call, Mapping):
+                    _fold_tool_call(self.tool_calls, call)
+        else:
+            held = self.message.get(key)
+            if isinstance(value, str) and key not in REPLACED:
+                # Text fields (reasoning_content, ...) collect their pieces, joined once
+                # at the end: a string grown per chunk would be copied per chunk.
+                if isinstance(held, _Pieces):
+                    held.append(value)
+                    return
+                if isinstance(held, str):
+                    self.message[key] = _Pieces((held, value))
+                    return
+            elif isinstance(held, _Pieces):
+                self.message[key] = "".join(held)  # merged by the rules from here on
+            merge_delta(self.message, key, value)
 
     def logprob_list(self) -> list[Any]:
         content = (self.logprobs or {}).get("content")
