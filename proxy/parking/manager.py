@@ -44,7 +44,7 @@ from proxy.parking.slotfile import (
     tokens_digest,
     unlink,
 )
-from proxy.placement import Eviction, SlotEntry, SlotPool
+from proxy.placement import Eviction, SlotPool
 from proxy.sessions import Session, SessionStore
 
 EXIT_PARK_TIMEOUT_S = 30.0
@@ -148,14 +148,20 @@ class ParkManager:
         """SlotPool's ``on_evict``: save the slot before it changes hands. Never raises.
         ``held``: for a slot saved without a lease (at shutdown, a slot table other replicas
         share), whether the slot still held the session once the save was done."""
+        await self._save(eviction, held)
+
+    async def _save(self, eviction: Eviction,
+                    held: Callable[[], Awaitable[bool]] | None = None) -> ParkRecord | None:
+        """``park``: the record that now holds what the slot held (the new file, or the
+        current one when nothing changed since it), None when the slot was not parked."""
         session = await self._session_of(eviction.session_id)
         if session is None or session.committed is None:
-            return
+            return None
         skip = self._not_worth(session)
         if skip is not None:
             outcome, reason = skip
             self._skipped(session, eviction.slot, outcome, reason, logging.DEBUG)
-            return
+            return None
         try:
             current = self._current(session)
             if (current is not None and current.scope == self.scope
@@ -164,11 +170,11 @@ class ParkManager:
                 # The slot holds what the file holds (restored, nothing committed since).
                 self.metrics.parks.labels("unchanged").inc()
                 self.index.touch(current.park_id, time.time())
-                return
+                return current
         except self.index.errors as exc:
             self._skipped(session, eviction.slot, "failed", f"park index: {exc}",
                           logging.WARNING)
-            return
+            return None
         started = time.monotonic()
         filename = self.filenames()
         try:
@@ -176,37 +182,38 @@ class ParkManager:
         except ProxyError as exc:
             self._skipped(session, eviction.slot, "failed", f"save failed: {exc.message}",
                           logging.WARNING)
-            return
+            return None
         path = self.config.files_dir / filename
         if held is not None and not await held():
             await asyncio.to_thread(unlink, path)  # perhaps another session's state
             self._skipped(session, eviction.slot, "changed", "another replica gave the slot "
                           "to another session while it was saved", logging.INFO)
-            return
+            return None
         try:
             record = await self._checked_record(session, path, result.n_tokens, result.n_bytes)
         except SlotFileError as exc:
             await asyncio.to_thread(unlink, path)
             self._skipped(session, eviction.slot, "failed", f"saved file unusable: {exc.reason}",
                           logging.WARNING)
-            return
+            return None
         if record.n_tokens < session.prompt_tokens:
             await asyncio.to_thread(unlink, path)
             self._skipped(session, eviction.slot, "empty",
                           f"the slot held {record.n_tokens} tokens, fewer than the session's "
                           f"{session.prompt_tokens}: the engine emptied it", logging.WARNING)
-            return
+            return None
         try:
             self._adopt_new(session, record)
         except self.index.errors as exc:
             await asyncio.to_thread(unlink, path)
             self._skipped(session, eviction.slot, "failed", f"park index: {exc}",
                           logging.WARNING)
-            return
+            return None
         # The slot can hold a turn whose commit has not run yet (the slot is free once the
         # engine's answer is read; the commit follows): the file then holds more than the
-        # committed history says, and that turn's commit brings the record up to date.
-        late = record.n_tokens > eviction.tokens
+        # committed history says, and that turn's commit brings the record up to date. A
+        # park ahead follows its turn's commit, so none is pending there.
+        late = eviction.reason != "ahead" and record.n_tokens > eviction.tokens
         if late:
             _bounded_set(self._late_commit, session.id, record.park_id)
         seconds = time.monotonic() - started
@@ -220,6 +227,7 @@ class ParkManager:
             await self._enforce_budget(keep=record.park_id)
         except self.index.errors as exc:
             log_event(self.log, logging.WARNING, "park budget not applied", error=str(exc))
+        return record
 
     def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
         """After a session's turn, on an engine short of slots: save its slot in the
@@ -241,20 +249,13 @@ class ParkManager:
             return
         async with pool.holding(slot, session_id) as entry:
             if entry is not None and self._fits_ahead(session_id, entry.tokens):
-                await self.park(Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
-                self._match_file(entry, session_id)
-
-    def _match_file(self, entry: SlotEntry, session_id: str) -> None:
-        """The slot holds exactly what its file now holds (it stayed busy while saved, and
-        its turn was committed): its token count is the file's, which ``park``'s unchanged
-        case compares at the eviction."""
-        session = self.store.get(session_id)
-        with contextlib.suppress(*self.index.errors):
-            record = self._current(session) if session is not None else None
-            if (session is not None and session.committed is not None and record is not None
-                    and record.scope == self.scope
-                    and _same_history(record.committed, session.committed)):
-                entry.tokens = record.n_tokens
+                record = await self._save(
+                    Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
+                if record is not None:
+                    # The slot holds exactly what the file holds (it stayed busy while
+                    # saved): the file's count, which the unchanged case compares at the
+                    # eviction, where the pool had its estimate.
+                    entry.tokens = record.n_tokens
 
     def _fits_ahead(self, session_id: str, tokens: int) -> bool:
         """A file parked ahead is a spare copy of a history the slot still holds: it never

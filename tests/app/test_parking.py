@@ -595,12 +595,14 @@ def slot_actions(engine: SlotFileFakeLlama) -> list[str]:
     return [a[0] for a in engine.actions if "probe" not in a[2]]
 
 
-async def test_a_slot_is_parked_ahead_so_its_eviction_saves_nothing(tmp_path: Path) -> None:
+async def test_a_slot_is_parked_ahead_so_its_eviction_saves_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """One slot: B evicts A (A saved then, on B's path). After B's turn, with the engine
     idle and short of slots, B's slot is saved in the background; A's return then finds
     B's file current (no save on A's path: only A's restore), and B's return restores the
     file parked ahead, all of B's previous prompt cached."""
     engine = SlotFileFakeLlama(tmp_path)
+    caplog.set_level(logging.INFO, "prefixpin")
     async with running_proxy(engine, **settings(tmp_path, park_ahead=True)) as (client, _):
         await ask(client, conversation("A", 1), "A")
         b_first = await ask(client, conversation("B", 1), "B")
@@ -612,6 +614,11 @@ async def test_a_slot_is_parked_ahead_so_its_eviction_saves_nothing(tmp_path: Pa
         b_again = await ask(client, conversation("B", 2), "B")
         assert await metric(client, "prefixpin_restores_total", outcome="restored") == 2
     assert cached(b_again) >= prompt(b_first)
+    # Its turn had committed: no later commit is owed to the file (the fake's slot holds
+    # one token more than the pool's estimate, which must not read as a pending turn).
+    ahead = [e for e in events(caplog, "parked") if e["reason"] == "ahead"]
+    assert ahead
+    assert all(e["awaiting_commit"] is False for e in ahead), ahead
 
 
 async def test_nothing_is_parked_ahead_while_every_session_has_a_slot(tmp_path: Path) -> None:
