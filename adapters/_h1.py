@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import httpx
@@ -35,6 +35,7 @@ try:
 except ImportError:  # pragma: no cover - a platform without the wheel
     httptools = None  # type: ignore[assignment]
 
+PUSHED_BODY = "prefixpin.pushed_body"  # the response extension holding a ``_Body``
 HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -83,10 +84,13 @@ class H1Transport(httpx.AsyncBaseTransport):
         except BaseException:
             connection.close()
             raise
+        body = _Body(self, key, connection, timeouts.get("read"))
+        # The body under the name ``adapters._http.pushed_body`` finds it by: httpx wraps
+        # ``stream`` in its own (a generator per read) before anyone reads it.
         return httpx.Response(
-            connection.status, headers=connection.headers,
-            stream=_Body(self, key, connection, timeouts.get("read")),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason})
+            connection.status, headers=connection.headers, stream=body,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason,
+                        PUSHED_BODY: body})
 
     def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)
@@ -144,6 +148,10 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._deadline = 0.0
+        self._timeout_s: float | None = None
+        # While set (``_Body.push``), every read's body bytes go to it from the read itself,
+        # and nobody is woken until the response ends.
+        self.sink: Callable[[bytes], None] | None = None
         self._in_request = False
         self._lost = False
         self._reading_paused = False
@@ -165,6 +173,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
+        self.sink_error: Exception | None = None
 
     # ---------------------------------------------------------------- the request
 
@@ -209,6 +218,7 @@ class _Connection(asyncio.Protocol):
         """Until something arrives (or the connection ends); ``ReadTimeout`` after
         ``timeout_s`` seconds of nothing."""
         waiter = self._waiter = self._loop.create_future()
+        self._timeout_s = timeout_s
         if timeout_s is not None:
             self._deadline = deadline = self._loop.time() + timeout_s
             if self._timer is None or self._timer_at > deadline:
@@ -284,11 +294,30 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}",
                                                  request=self._request_or_none()))
+        if self.sink is not None and self.chunks and self._pushed():
+            return  # the reader waits for the end only
         if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
             assert self._transport is not None
             self._transport.pause_reading()
             self._reading_paused = True
         self._wake()
+
+    def _pushed(self) -> bool:
+        """This read's body to the sink; False when the reader must wake: the response
+        ended or failed, or the sink raised (its error is the reader's)."""
+        assert self.sink is not None
+        chunks, self.chunks = self.chunks, []
+        self._buffered = 0
+        try:
+            self.sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        except Exception as exc:
+            self.sink, self.sink_error = None, exc
+            return False
+        if self.complete or self.error is not None:
+            return False
+        if self._timeout_s is not None:  # a read: the silence the timeout measures restarts
+            self._deadline = self._loop.time() + self._timeout_s
+        return True
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -412,6 +441,30 @@ class _Body(httpx.AsyncByteStream):
             if connection.error is not None:
                 raise connection.error
             await connection.wait(self._timeout)
+
+    async def push(self, sink: Callable[[bytes], None]) -> None:
+        """Every chunk of the body to ``sink`` as it arrives, called from the connection's
+        read itself: no task wakes up per read (``__aiter__`` wakes its reader for each),
+        only at the end. Raises what the connection or ``sink`` raised; ``ReadTimeout``
+        after the timeout with nothing read."""
+        connection = self._connection
+        if connection is None:
+            return
+        if connection.chunks:  # what arrived before the sink was there
+            chunks = connection.take()
+            sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        connection.sink = sink
+        try:
+            while True:
+                if connection.sink_error is not None:
+                    raise connection.sink_error
+                if connection.complete:
+                    return
+                if connection.error is not None:
+                    raise connection.error
+                await connection.wait(self._timeout)
+        finally:
+            connection.sink = None
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import httpx
 import orjson
 
-from adapters.base import Frame
+from adapters._h1 import PUSHED_BODY
+from adapters.base import Frame, FrameSink
 from core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -92,6 +93,18 @@ class EngineClient(httpx.AsyncClient):
 
     def _merge_cookies(self, cookies: Any = None) -> Any:
         return cookies  # a request's own, if any; never the jar's (there is none)
+
+    def _merge_headers(self, headers: Any = None) -> Any:
+        """A request's headers given as raw byte pairs (every generation's: the client's
+        own, ``adapters.llama_server._header_bytes``) after the client's defaults that
+        they do not name, as httpx merges them, without the two ``Headers`` copies and the
+        update httpx makes of them on every request."""
+        if not isinstance(headers, list) or not all(
+                type(name) is bytes and type(value) is bytes for name, value in headers):
+            return super()._merge_headers(headers)
+        named = {name.lower() for name, _ in headers}
+        return [(name, value) for name, value in self.headers.raw
+                if name.lower() not in named] + headers
 
 
 _NO_COOKIES = _NoCookies()
@@ -209,6 +222,50 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
                 yield classify(item)
         for item in decoder.flush():
             yield classify(item)
+
+
+async def push_decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
+                              classify: Callable[[T], Frame], sink: FrameSink) -> None:
+    """``decoded_frames``, pushed: the frames of each read to ``sink`` as one list, called
+    from the engine connection's read where the transport can (``PushedBody``: no task
+    wakes up per read), else as the body is iterated. Returns at the body's end; raises
+    what ``sink`` raises, an engine error as ``UpstreamError``."""
+    def feed(chunk: bytes) -> None:
+        try:
+            items = decoder.feed(chunk)
+        except ValueError as exc:  # an item past the decoder's size limit
+            raise UpstreamProtocolError(f"{what}: {exc}") from exc
+        if items:
+            sink([classify(item) for item in items])
+
+    with map_httpx_errors(what):
+        body = pushed_body(response)
+        if body is not None:
+            await body.push(feed)
+        else:
+            async for chunk in body_chunks(response):
+                feed(chunk)
+        if tail := decoder.flush():
+            sink([classify(item) for item in tail])
+
+
+class PushedBody(Protocol):
+    """A body stream that hands each read to a sink from the read itself (``adapters._h1``)."""
+
+    async def push(self, sink: Callable[[bytes], None]) -> None: ...
+
+
+def pushed_body(response: httpx.Response) -> PushedBody | None:
+    """The body a transport can push (``adapters._h1`` names it in the response's
+    extensions: httpx wraps its stream) when nothing must decode it (no content
+    encoding) and nobody read it yet, marked consumed; else None."""
+    body = response.extensions.get(PUSHED_BODY)
+    encoding = response.headers.get("content-encoding")
+    if body is not None and (encoding is None or encoding.strip().lower() == "identity") \
+            and not response.is_stream_consumed:
+        response.is_stream_consumed = True
+        return cast(PushedBody, body)
+    return None
 
 
 def body_chunks(response: httpx.Response) -> AsyncIterable[bytes]:

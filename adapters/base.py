@@ -8,7 +8,7 @@ to render and tokenize prompts exactly as the engine would.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +69,10 @@ class UpstreamCall:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+# Where pushed frames go: every frame of one engine read, in order, as one list.
+FrameSink = Callable[[list[Frame]], None]
+
+
 class UpstreamStream(Protocol):
     """An open engine response: status first, then frames (or the error body)."""
 
@@ -78,6 +82,24 @@ class UpstreamStream(Protocol):
     async def aread_error(self) -> bytes: ...
 
     def aiter_frames(self) -> AsyncIterator[Frame]: ...
+
+
+class PushingStream(UpstreamStream, Protocol):
+    """A stream that can push its frames (``push_frames``): each read's frames handed to the
+    sink from the engine connection's read itself, not one task wake-up per read
+    (``adapters._http.push_decoded_frames``). ``aiter_frames`` reads the same frames.
+    ``pusher_of`` finds the method (a runtime protocol check costs ~10 us a request)."""
+
+    async def push_frames(self, sink: FrameSink) -> None:
+        """Every frame to ``sink``; returns at the end of the body, raises what ``sink``
+        raises and an engine failure as ``UpstreamError``."""
+        ...
+
+
+def pusher_of(upstream: UpstreamStream) -> Callable[[FrameSink], Awaitable[None]] | None:
+    """``upstream.push_frames`` when it has one (``PushingStream``), else None."""
+    push: Callable[[FrameSink], Awaitable[None]] | None = getattr(upstream, "push_frames", None)
+    return push
 
 
 class Adapter(Protocol):

@@ -25,6 +25,7 @@ from adapters._http import (
     get_json,
     map_httpx_errors,
     post_json,
+    push_decoded_frames,
     send_with_stale_retry,
 )
 from adapters._llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
@@ -33,6 +34,7 @@ from adapters.base import (
     Capabilities,
     EngineInfo,
     Frame,
+    FrameSink,
     SlotFileResult,
     SlotState,
     UpstreamCall,
@@ -198,6 +200,11 @@ class _LlamaStream:
     def aiter_frames(self) -> AsyncIterator[Frame]:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
         return decoded_frames(self._response, self._what, SSEDecoder(), self._classify)
+
+    async def push_frames(self, sink: FrameSink) -> None:
+        expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
+        await push_decoded_frames(self._response, self._what, SSEDecoder(), self._classify,
+                                  sink)
 
 
 def _header_bytes(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -31,6 +31,7 @@ from adapters._http import (
     encode_json,
     expect_media_type,
     map_httpx_errors,
+    push_decoded_frames,
     send_with_stale_retry,
 )
 from adapters._openai_sse import classify as classify_sse
@@ -39,6 +40,7 @@ from adapters.base import (
     EngineInfo,
     Frame,
     FrameKind,
+    FrameSink,
     SlotFileResult,
     SlotState,
     UpstreamCall,
@@ -181,6 +183,23 @@ class _OllamaStream:
         async for frame in frames:
             self._note_cached_field(frame)
             yield frame
+
+    async def push_frames(self, sink: FrameSink) -> None:
+        def noted(frames: list[Frame]) -> None:
+            for frame in frames:
+                self._note_cached_field(frame)
+            sink(frames)
+
+        if self._native:
+            expect_media_type(self._what, self.content_type, "application/x-ndjson",
+                              "an NDJSON stream")
+            await push_decoded_frames(self._response, self._what, NDJSONDecoder(),
+                                      classify_native, noted)
+        else:
+            expect_media_type(self._what, self.content_type, "text/event-stream",
+                              "an event stream")
+            await push_decoded_frames(self._response, self._what, SSEDecoder(),
+                                      classify_openai, noted)
 
     def _native_frames(self) -> AsyncIterator[Frame]:
         expect_media_type(self._what, self.content_type, "application/x-ndjson",

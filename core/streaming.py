@@ -18,12 +18,24 @@ from starlette.types import Receive, Scope, Send
 
 
 class StreamResponse(Response):
-    def __init__(self, body: AsyncGenerator[bytes, None], *, media_type: str,
+    """The chunks of ``body`` as they come; a subclass may write its head and body its
+    own way (``write``) and keep the rest: the end of the response, a client leaving."""
+
+    def __init__(self, body: AsyncGenerator[bytes, None] | None = None, *, media_type: str,
                  headers: Mapping[str, str] | None = None, status_code: int = 200) -> None:
         self.body_iterator = body
         self.status_code = status_code
         self.media_type = media_type
         self.init_headers(headers)
+
+    async def write(self, send: Send) -> None:
+        """The head, then every chunk but the last (empty) one, each as ``more_body``."""
+        assert self.body_iterator is not None
+        async with contextlib.aclosing(self.body_iterator):  # closed however it ends
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.current_task()
@@ -31,12 +43,7 @@ class StreamResponse(Response):
         state = _Stream()
         watcher = asyncio.create_task(_watch_disconnect(receive, streamer, state))
         try:
-            async with contextlib.aclosing(self.body_iterator):  # closed however it ends
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                async for chunk in self.body_iterator:
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
+            await self.write(send)
             state.streaming = False  # from here on a disconnect cancels nothing
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

@@ -106,8 +106,9 @@ class ProxyApps:
     @property
     def tenant_listener(self) -> ASGIApp:
         """What the tenant port serves: the tenant app behind the canonical path
-        (``proxy.paths``: an alias is routed as the path it means, or refused)."""
-        return canonical_paths(self.tenant)
+        (``proxy.paths``: an alias is routed as the path it means, or refused), its pipeline
+        routes served straight from there (``PipelineFirst``)."""
+        return canonical_paths(PipelineFirst(self.tenant, self.holder))
 
     @property
     def operator_listener(self) -> ASGIApp:
@@ -217,11 +218,48 @@ def _operator_only(settings: Settings) -> Handler:
 
 
 def _pipeline_route(path: str, codec: Codec, holder: StateHolder) -> Route:
-    """A route of the request path, answered in its codec's wire format."""
+    """A route of the request path, answered in its codec's wire format (what the tenant
+    app serves when ``PipelineFirst`` is not in front of it)."""
     async def handle(request: Request) -> Response:
         return await holder.get().router.handle(request, codec)
 
     return Route(path, handle, methods=["POST"], name=f"{codec.name} {path}")
+
+
+class PipelineFirst:
+    """A ``POST`` to a pipeline route goes straight to the router; everything else to
+    ``app`` (the tenant app, the same routes behind starlette's middleware).
+
+    Why: every event a client receives is one ``send`` through the app's stack, and a
+    streamed answer's task resumes through every frame of it per event. Starlette's stack
+    (its error middleware, the exception handlers' wrapper, the router and the route, each
+    a coroutine frame and two of them wrapping ``send``) is the same work every event for
+    nothing the pipeline uses: the router answers its own errors in each API's shape
+    (``Router.handle``); what is left is translated here as the tenant app translates it
+    (``NotStarted`` and any other ``ProxyError``, an unexpected exception as a logged 500).
+    Paths under a ``root_path`` (a mount) are left to starlette's routing."""
+
+    def __init__(self, app: ASGIApp, holder: StateHolder) -> None:
+        self.app = app
+        self.holder = holder
+        self.routes: dict[str, Codec] = dict(codec_routes())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            codec = self.routes.get(scope["path"])
+            if codec is not None:
+                await self._serve(Request(scope, receive, send), codec, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _serve(self, request: Request, codec: Codec, send: Send) -> None:
+        try:
+            response = await self.holder.get().router.handle(request, codec)
+        except ProxyError as exc:
+            response = error_response(exc)
+        except Exception as exc:
+            response = await _unexpected(request, exc)
+        await response(request.scope, request.receive, send)
 
 
 def _passthrough(holder: StateHolder, path: str | None, *,

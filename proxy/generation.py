@@ -1,8 +1,11 @@
 """A generation: one upstream request whose frames any number of clients read.
 
-The upstream runs in its own task and appends frames to a log; each client is a
-``Subscriber`` with its own read position, so a client that attaches late (a retry joining
-the generation in flight) receives everything produced so far, then the live stream.
+The upstream runs in its own task and appends frames to a log (pushed from the engine
+connection's reads where the stream can: that task then wakes only at the end); each
+client is a ``Subscriber`` with its own read position, written from each change itself
+while it keeps up (``listen``, ``proxy.relay.LiveStream``), so a client that attaches late
+(a retry joining the generation in flight) receives everything produced so far, then the
+live stream.
 When the last subscriber leaves before the end, the upstream keeps running for a grace
 period (a resend can still join it), then is cancelled, which closes its connection.
 """
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from adapters.base import Frame, FrameKind, Progress, UpstreamStream
+from adapters.base import Frame, FrameKind, Progress, UpstreamStream, pusher_of
 from core.errors import (
     GenerationCancelledError,
     ProxyError,
@@ -77,6 +80,7 @@ class Generation:
         # costs nothing.
         self._waiters: list[asyncio.Future[bool]] = []
         self._wakeup: asyncio.Event | None = None
+        self._listeners: list[Callable[[], None]] = []
         self._subscribers = 0
         self._subscribed = False  # some client read it (and so can have left it)
         self._grace_handle: asyncio.TimerHandle | None = None
@@ -136,7 +140,20 @@ class Generation:
             self._wakeup = asyncio.Event()
         return self._wakeup
 
+    def listen(self, listener: Callable[[], None]) -> None:
+        """``listener()`` at every change from now on, called by the change itself (in the
+        engine connection's read, ``_take_frames``) before any waiter wakes: a client's
+        stream written without waking its task (``proxy.relay``). It must not raise, and
+        leaves with ``unlisten``."""
+        self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
     def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
         # Broadcast: wake every waiter; the next change has its own.
         if self._wakeup is not None:
             self._wakeup.set()
@@ -169,27 +186,46 @@ class Generation:
             body = await upstream.aread_error()
             raise UpstreamStatusError(upstream.status_code, body, upstream.content_type)
         self._set_head(Head(upstream.status_code))
-        async for frame in upstream.aiter_frames():
-            if self.completed:
-                continue  # read to the end of the body so the connection is reused
-            self._append(frame)
-            kind = frame.kind
-            if kind is _ERROR:
-                raise _mid_stream_error(frame)
-            if kind is _DONE:
-                self.completed = True
-                self._notify()
-                # The clients write their last bytes first, then the answer is settled (the
-                # session's history committed) in the same turn of the loop: before any
-                # client can have read those bytes and sent its next turn. Reading the
-                # body's end and releasing the slot come after, off their latency too.
-                asyncio.get_running_loop().call_soon(self._settle)
-                await asyncio.sleep(0)
+        if (push := pusher_of(upstream)) is not None:
+            # Each engine read's frames land here from the read itself: the clients are
+            # the only tasks woken per read.
+            await push(self._take_frames)
+        else:
+            async for frame in upstream.aiter_frames():
+                answered = self.completed
+                self._take_frames([frame])
+                if self.completed and not answered:
+                    # The clients write their last bytes before this task reads on (and
+                    # then releases the slot): off their latency.
+                    await asyncio.sleep(0)
         if not self.completed:
             # A stream that ends without [DONE] was cut off: never pretend it completed.
             raise UpstreamProtocolError("engine closed the stream before it finished")
 
-    def _append(self, frame: Frame) -> None:
+    def _take_frames(self, frames: list[Frame]) -> None:
+        """The frames of one engine read, in order, into the log, the clients woken once.
+        The frames after the answer are read (so the
+        connection is reused) and dropped. Complete, the answer is settled (the session's
+        history committed) right after the clients' tasks, woken first, wrote their last
+        bytes, in the same turn of the loop: before any client can have read them and
+        sent its next turn."""
+        if self.completed:
+            return
+        for frame in frames:
+            kind = frame.kind
+            if kind is _ERROR:
+                self._note(frame)
+                raise _mid_stream_error(frame)  # the frames before it still reach the clients
+            self._note(frame)
+            self.frames.append(frame)
+            if kind is _DONE:
+                self.completed = True
+                break
+        self._notify()
+        if self.completed:
+            self._loop.call_soon(self._settle)
+
+    def _note(self, frame: Frame) -> None:
         timeline = self.timeline
         if frame.progress is not None:
             self.progress = frame.progress
@@ -197,10 +233,6 @@ class Generation:
                 timeline.first_progress = time.monotonic()
         if frame.has_output and timeline.first_output is None:
             timeline.first_output = time.monotonic()
-        if frame.kind is _ERROR:
-            return  # re-raised by the caller; the relay writes its own error event
-        self.frames.append(frame)
-        self._notify()
 
     def _set_head(self, head: Head) -> None:
         if not self.head.done():

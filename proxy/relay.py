@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Send
 
 from adapters.base import Progress
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
 from proxy.codecs import Codec, codec_of
 from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
-from proxy.generation import Generation, Subscriber
+from proxy.generation import TIMER_SLACK_S, Generation, Subscriber
 from proxy.validation import ClientRequest
 
 # ``_ensure_usage``: the OpenAI codec's usage fill, under the name tests read it by here.
@@ -49,9 +51,8 @@ async def respond(request: Request, client: ClientRequest, generation: Generatio
             if early_error is not None:
                 subscriber.close()
                 return codec.error_response(early_error)
-            body = _stream_body(codec, subscriber, client, heartbeat_s, on_heartbeat,
-                                fill_cached)
-            return StreamResponse(body, media_type=codec.media_type, headers=codec.headers)
+            return LiveStream(codec, subscriber, client, heartbeat_s, on_heartbeat,
+                              fill_cached)
         return await _whole_response(request, codec, subscriber, client, fill_cached)
     except BaseException:
         subscriber.close()
@@ -73,42 +74,185 @@ async def _early_error(generation: Generation, arrival: float,
     return generation.head.result().error if done else None
 
 
-async def _stream_body(codec: Codec, subscriber: Subscriber, client: ClientRequest,
-                       heartbeat_s: float, on_heartbeat: Callable[[], None],
-                       fill_cached: bool) -> AsyncGenerator[bytes, None]:
-    """A client's bytes until its generation ends: the frames as they come, each batch
-    (all that arrived while this client was busy, up to ``BATCH_FRAMES``) in one write, and
-    a heartbeat after ``heartbeat_s`` of silence."""
-    generation = subscriber.generation
-    encoder = codec.stream(client, generation, fill_cached=fill_cached)
-    encode = encoder.encode
-    next_frames = subscriber.next_frames
-    monotonic = time.monotonic
-    try:
-        # The opening and whatever the engine sent already (its first events usually come
-        # with its answer's head) in one write.
-        ready = subscriber.take_ready(BATCH_FRAMES)
-        yield codec.opening + encode(ready) if ready else codec.opening
-        deadline = monotonic() + heartbeat_s
+class LiveStream(StreamResponse):
+    """A client's stream, written from the generation's changes themselves.
+
+    While this response's task sleeps, every change of the generation
+    (``Generation.listen``: in the engine connection's read) encodes the frames this client
+    has not read, up to ``BATCH_FRAMES`` a write, and sends them there and then: no task
+    wakes per event. What must wait is handed to this task: a send that cannot finish at
+    once (the client reads slowly and the server waits for its socket to drain), which it
+    finishes before writing what arrived meanwhile and sleeping again; the heartbeat after
+    ``heartbeat_s`` of silence (one timer per client, moved on only when it fires early);
+    the end (the encoder's tail, the late error); and an error of a write, raised here,
+    never in the generation. With a server whose ``send`` always suspends, every write is
+    handed over: as before, one wake-up per batch."""
+
+    def __init__(self, codec: Codec, subscriber: Subscriber, client: ClientRequest,
+                 heartbeat_s: float, on_heartbeat: Callable[[], None],
+                 fill_cached: bool) -> None:
+        super().__init__(media_type=codec.media_type, headers=codec.headers)
+        self._codec = codec
+        self._subscriber = subscriber
+        self._generation = subscriber.generation
+        self._encode = codec.stream(client, self._generation, fill_cached=fill_cached)
+        self._heartbeat_s = heartbeat_s
+        self._on_heartbeat = on_heartbeat
+        self._send: Send | None = None
+        self._asleep = False  # changes write this client's frames only while it sleeps
+        self._waiter: asyncio.Future[bool] | None = None
+        self._handed: tuple[Generator[Any, Any, Any], Any] | None = None  # a send waiting
+        self._failed: Exception | None = None
+        self._quiet_until = 0.0  # the next heartbeat is due then, unless something is sent
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    async def write(self, send: Send) -> None:
+        subscriber, generation, codec = self._subscriber, self._generation, self._codec
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            # The opening and whatever the engine sent already (its first events usually
+            # come with its answer's head) in one write.
+            ready = subscriber.take_ready(BATCH_FRAMES)
+            opening = codec.opening + self._encode.encode(ready) if ready else codec.opening
+            await send(_body(opening))
+            self._send = send
+            generation.listen(self._on_change)
+            await self._follow(send)
+            if tail := self._encode.flush():
+                await send(_body(tail))
+            if generation.error is not None and not generation.completed:
+                await send(_body(codec.late_error(generation.error)))
+        finally:
+            generation.unlisten(self._on_change)
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._handed is not None:
+                self._handed[0].close()
+            subscriber.close()
+
+    async def _follow(self, send: Send) -> None:
+        """Until the generation is answered and this client has all of it."""
+        subscriber, generation = self._subscriber, self._generation
+        encode, monotonic = self._encode.encode, time.monotonic
+        self._quiet_until = monotonic() + self._heartbeat_s
+        while True:
+            if self._handed is not None:
+                await _Handed(*self._handed)
+                self._handed = None
+            if self._failed is not None:
+                raise self._failed
+            while frames := subscriber.take_ready(BATCH_FRAMES):  # while this task was busy
+                if out := encode(frames):
+                    await send(_body(out))
+                    self._quiet_until = monotonic() + self._heartbeat_s
+            if generation.answered:
+                return
+            if not await self._sleep():
+                self._on_heartbeat()
+                await send(_body(self._codec.heartbeat(heartbeat_text(generation.progress,
+                                                                      generation))))
+                self._quiet_until = monotonic() + self._heartbeat_s
+
+    def _on_change(self) -> None:
+        """The generation changed (called by the change itself): this client's new frames
+        sent now if this task sleeps (else it writes them itself before it sleeps again)."""
+        if not self._asleep:
+            return
+        send, subscriber, log = self._send, self._subscriber, self._generation.frames
+        assert send is not None
+        try:
+            while subscriber.position < len(log):
+                frames = subscriber.take_ready(BATCH_FRAMES)
+                if not (out := self._encode.encode(frames)):
+                    continue
+                self._quiet_until = time.monotonic() + self._heartbeat_s
+                sending = send(_body(out)).__await__()
+                try:
+                    waits_on = sending.send(None)  # a send that need not wait ends here
+                except StopIteration:
+                    continue
+                self._handed = (sending, waits_on)  # it waits (for the socket to drain)
+                self._wake(True)
+                return
+            if self._generation.answered:
+                self._wake(True)
+        except Exception as exc:  # this client's failure, not the generation's
+            self._failed = exc
+            self._wake(True)
+
+    async def _sleep(self) -> bool:
+        """Until a change needs this task (True) or the heartbeat is due (False)."""
+        now = time.monotonic()
+        due = self._quiet_until
+        if now >= due - TIMER_SLACK_S:
+            return False
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
+        if self._timer is None or self._timer_at > due:
+            self._arm(loop, due, now)
+        self._asleep = True
+        try:
+            return await waiter
+        finally:
+            self._asleep = False
+            self._waiter = None
+
+    def _wake(self, needed: bool) -> None:
+        self._asleep = False  # from now on this task writes, until it sleeps again
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(needed)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = loop.call_later(at - now, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self._asleep:
+            return  # awake: the next sleep arms it again
+        now = time.monotonic()
+        if now >= self._quiet_until - TIMER_SLACK_S:
+            self._wake(False)
+        else:  # something was sent since it was armed: the silence starts later
+            self._arm(asyncio.get_running_loop(), self._quiet_until, now)
+
+
+class _Handed:
+    """A send that suspended outside any task (in ``LiveStream._on_change``), finished by
+    the task awaiting this: each future it waits on goes to that task, and what the task
+    resumes it with (a result, a cancellation) goes back to it, until it returns."""
+
+    __slots__ = ("_sending", "_waits_on")
+
+    def __init__(self, sending: Generator[Any, Any, Any], waits_on: Any) -> None:
+        self._sending = sending
+        self._waits_on = waits_on  # what it yielded first: the future it waits on
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        sending, waits_on = self._sending, self._waits_on
         while True:
             try:
-                frames = await next_frames(deadline, BATCH_FRAMES)
-            except StopAsyncIteration:
-                break
-            if frames is None:
-                on_heartbeat()
-                yield codec.heartbeat(heartbeat_text(generation.progress, generation))
-            elif out := encode(frames):
-                yield out
+                resumed = yield waits_on
+            except BaseException as exc:
+                try:
+                    waits_on = sending.throw(exc)
+                except StopIteration:
+                    return
             else:
-                continue  # nothing for this client: the silence goes on
-            deadline = monotonic() + heartbeat_s
-        if tail := encoder.flush():
-            yield tail
-        if generation.error is not None and not generation.completed:
-            yield codec.late_error(generation.error)
-    finally:
-        subscriber.close()
+                try:
+                    waits_on = sending.send(resumed)
+                except StopIteration:
+                    return
+
+
+def _body(chunk: bytes) -> Message:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 def heartbeat_text(progress: Progress | None, generation: Generation) -> str:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from adapters._h1 import HIGH_WATER, H1Transport, engine_transport
-from adapters._http import EngineClient, send_with_stale_retry
+from adapters._http import EngineClient, pushed_body, send_with_stale_retry
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -305,3 +305,116 @@ def test_the_engine_client_keeps_no_cookie() -> None:
 
     assert asyncio.run(run()) == 0
     assert not any(b"cookie:" in request.lower() for request in seen)
+
+
+async def push_all(http: httpx.AsyncClient, on_chunk: Callable[[bytes], None]) -> None:
+    request = http.build_request("POST", "/v1/chat/completions", content=b"{}")
+    response = await http.send(request, stream=True)
+    try:
+        body = pushed_body(response)
+        assert body is not None  # the transport names its body: httpx wrapped the stream
+        await body.push(on_chunk)
+    finally:
+        await response.aclose()
+
+
+def test_a_pushed_body_goes_to_the_sink_from_the_read_itself_and_the_connection_is_reused(
+        ) -> None:
+    events = [b"data: %d\n\n" % i for i in range(6)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(SSE_HEAD)
+            for event in events:
+                writer.write(chunk(event))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+
+    async def run() -> tuple[list[bytes], list[object], list[int]]:
+        got: list[bytes] = []
+        tasks: list[object] = []
+
+        def sink(data: bytes) -> None:
+            got.append(data)
+            tasks.append(asyncio.current_task())
+
+        async with server(handler) as (url, peers), client(url) as http:
+            await push_all(http, sink)
+            await push_all(http, sink)
+        return got, tasks, peers
+
+    got, tasks, peers = asyncio.run(run())
+    assert b"".join(got) == b"".join(events) * 2
+    # Every read after the head went to the sink from the connection's callback (no task
+    # woke for it); at most what came with the head was handed over by the reader's task.
+    assert sum(1 for task in tasks if task is not None) <= 2
+    assert len(peers) == 1
+
+
+def test_a_pushed_body_times_out_only_after_the_read_timeout_of_silence() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for i in range(8):  # 0.4 s of events, 0.05 s apart: longer than the timeout
+            writer.write(chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(5)  # then silence
+
+    async def run() -> tuple[int, float]:
+        got: list[bytes] = []
+        async with server(handler) as (url, _), client(url, read=0.2) as http:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(httpx.ReadTimeout):
+                await push_all(http, got.append)
+            return len(b"".join(got).split(b"\n\n")) - 1, (
+                asyncio.get_running_loop().time() - started)
+
+    events, elapsed = asyncio.run(run())
+    assert events == 8
+    assert 0.55 <= elapsed < 2.0  # the timeout counted from the last read, not the first
+
+
+def test_what_the_sink_raises_is_the_reader_s_and_the_connection_is_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(SSE_HEAD)
+            for i in range(4):
+                writer.write(chunk(b"data: %d\n\n" % i))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+
+    class Refused(Exception):
+        pass
+
+    def sink(data: bytes) -> None:
+        if b"data: 2" in data:
+            raise Refused
+
+    async def run() -> list[int]:
+        async with server(handler) as (url, peers), client(url) as http:
+            with pytest.raises(Refused):
+                await push_all(http, sink)
+            assert len(await stream_chunks(http)) >= 1  # the next request: a new connection
+            return peers
+
+    assert len(asyncio.run(run())) == 2
+
+
+@pytest.mark.parametrize("given", [
+    [(b"accept", b"c/d"), (b"X-Client", b"v"), (b"x-client", b"w")],
+    {"accept": "c/d", "x-client": "v"},
+    None,
+])
+def test_the_engine_client_merges_headers_as_httpx_does(given: object) -> None:
+    defaults = {"X-Default": "1", "Accept": "a/b"}
+    ours = EngineClient(base_url="http://engine", headers=defaults)
+    theirs = httpx.AsyncClient(base_url="http://engine", headers=defaults)
+    built = [c.build_request("POST", "/v1/chat/completions", content=b"{}",
+                             headers=given)  # type: ignore[arg-type]
+             for c in (ours, theirs)]
+    assert built[0].headers.raw == built[1].headers.raw

@@ -182,8 +182,7 @@ def test_a_subscriber_waits_with_one_timer_and_gets_what_arrived_in_one_batch() 
         # Three frames of one engine read: the waiting client wakes once and takes them all.
         waiting = asyncio.ensure_future(subscriber.next_frames(loop.time() + 10, 16))
         await asyncio.sleep(0)
-        for frame in frames:
-            generation._append(frame)
+        generation._take_frames(frames)
         assert await waiting == frames
         # Many short waits in a row arm no more than a timer each time it fires.
         for _ in range(20):
@@ -203,7 +202,7 @@ def test_changed_is_set_at_the_next_change_only() -> None:
         generation = Generation(opener_of, grace_s=0)
         changed = generation.changed()
         assert generation.changed() is changed  # the same event until the change
-        generation._append(frames_of(STREAM[1:2])[0])
+        generation._take_frames(frames_of(STREAM[1:2]))
         assert changed.is_set()
         assert not generation.changed().is_set()
 

@@ -1,0 +1,127 @@
+"""Two proxy trees under the same load at the same moment: which costs less CPU per event.
+
+On these shared machines the speed of a core moves by a third from one minute to the next,
+so two trees measured one after the other (``bench/load.py --tree``) differ by the machine
+as much as by the code. Here both proxies (``prefixpin serve`` from each tree, features at
+their defaults) run in front of one fast fake engine (``bench/fast_engine.py``) and each
+round sends half the streams through each, at once: the same phase of the machine, the
+same contention. Per round: each proxy's CPU (``/proc``: utime + stime, and utime alone)
+per event its clients checked, and the ratio of each tree to the first.
+
+    python bench/load_versus.py BEFORE_TREE AFTER_TREE [--rounds 8] [--streams 256]
+
+A tree is a directory holding ``proxy/cli.py`` (a ``git worktree``; this checkout is
+``.``). The absolute figures are not ``bench/load.py``'s (two proxies share the cores):
+the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import load
+from bench.provenance import host_lines
+from bench.trees import Tree
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def user_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_of(path: str) -> Tree:
+    return Tree.this() if Path(path).resolve() == HERE else Tree.other(Path(path))
+
+
+async def rounds(procs: dict[str, tuple[int, int]], plan: load.Plan, warm: load.Plan,
+                 count: int) -> dict[str, dict[str, list[float]]]:
+    for name, (port, _) in procs.items():
+        await load.run_round(port, warm, warm.requests(f"warm-{name}", 0))
+        await load.run_round(port, plan, plan.requests(f"warm2-{name}", 0))
+    out: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "user": []} for n in procs}
+    for index in range(1, count + 1):
+        gc.collect()
+        gc.disable()
+        cpu0 = {n: load.cpu_seconds(pid) for n, (_, pid) in procs.items()}
+        user0 = {n: user_seconds(pid) for n, (_, pid) in procs.items()}
+        results = await asyncio.gather(*(
+            load.run_round(port, plan, plan.requests(f"{n}-{index}", index))
+            for n, (port, _) in procs.items()))
+        await asyncio.sleep(0.5)  # the work after the last byte counts
+        for (name, (_, pid)), streams in zip(procs.items(), results, strict=True):
+            bad = [s for s in streams if s.failed or any(s.problems().values())]
+            if bad:
+                raise SystemExit(f"{name}: {len(bad)} streams failed or lost events")
+            events = sum(len(s.seqs) for s in streams)
+            out[name]["cpu"].append((load.cpu_seconds(pid) - cpu0[name]) / events * 1e6)
+            out[name]["user"].append((user_seconds(pid) - user0[name]) / events * 1e6)
+        gc.enable()
+        print(f"round {index}: " + ", ".join(
+            f"{n} {v['cpu'][-1]:.1f} µs/event" for n, v in out.items()), flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=256, help="in all, half per tree")
+    parser.add_argument("--events", type=int, default=100)
+    parser.add_argument("--token-delay-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    names = [Path(t).resolve().name or t for t in args.trees]
+    if names[0] == names[1]:
+        names = ["first", "second"]
+    model = load.resolve_model("auto")
+    half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,
+                     fresh=False, timeout_s=60)
+    warm = load.Plan(16, 1, 4, args.token_delay_ms, together=True, fresh=False, timeout_s=60)
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "prefixpin-load-versus"
+    logs.mkdir(exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        fake_port = load.free_ports()
+        base = load.Setup(model, Tree.this(), [], 2.0, logs)
+        flog = stack.enter_context(open(logs / "fake.log", "wb"))
+        stack.enter_context(load.process(base.fake_cmd(fake_port, args.streams + 16, half),
+                                         f"http://{load.HOST}:{fake_port}/health", flog))
+        procs: dict[str, tuple[int, int]] = {}
+        for name, path in zip(names, args.trees, strict=True):
+            tree = tree_of(path)
+            port = load.free_ports()
+            admin = f"{load.HOST}:{load.free_ports()}"
+            setup = load.Setup(model, tree, ["--admin-listen", admin], 2.0, logs)
+            plog = stack.enter_context(open(logs / f"proxy-{name}.log", "wb"))
+            proc = stack.enter_context(load.process(
+                setup.proxy_cmd(fake_port, port), f"http://{load.HOST}:{port}/healthz", plog,
+                **tree.popen_kwargs()))
+            procs[name] = (port, proc.pid)
+        result: dict[str, Any] = load.run_async(rounds(procs, half, warm, args.rounds))
+    print()
+    print("\n".join(host_lines()))
+    first = names[0]
+    for name in names:
+        cpu = [a / b for a, b in zip(result[name]["cpu"], result[first]["cpu"], strict=True)]
+        user = [a / b for a, b in zip(result[name]["user"], result[first]["user"],
+                                      strict=True)]
+        print(f"{name}: median {statistics.median(result[name]['cpu']):.1f} µs/event "
+              f"(user {statistics.median(result[name]['user']):.1f}); ratio to {first}: "
+              f"median {statistics.median(cpu):.3f} (user {statistics.median(user):.3f}), "
+              f"rounds {[round(r, 3) for r in cpu]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
