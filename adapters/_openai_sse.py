@@ -34,6 +34,36 @@ def classify(event: SSEEvent) -> Frame:
     data = _parse_object(text)
     if "error" in data:
         return Frame(_ERROR, event.raw, data)
+    if (plain := _plain_text_chunk(event, text, data)) is not None:
+        return plain
+    return _classify_object(event, text, data)
+
+
+def _plain_text_chunk(event: SSEEvent, text: str, data: dict[str, Any]) -> Frame | None:
+    """The bulk of a chat stream in one look: one choice (index 0), no finish, no
+    progress, a delta of one non-empty text field. Exactly the frame ``_classify_object``
+    makes of it (tested), without its passes over the choices; None for anything else."""
+    choices = data.get("choices")
+    if type(choices) is not list or len(choices) != 1 or "prompt_progress" in data:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("finish_reason") or choice.get("text"):
+        return None
+    index = choice.get("index", 0)
+    delta = choice.get("delta")
+    if index != 0 or index is False or type(delta) is not dict or len(delta) != 1:
+        return None
+    ((field, value),) = delta.items()
+    if type(value) is not str or not value or field not in ("content", "reasoning_content"):
+        return None
+    frame = Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+    frame.figured = "timings" in data or "usage" in data
+    frame.delta_field, frame.delta_text = field, value
+    return frame
+
+
+def _classify_object(event: SSEEvent, text: str, data: dict[str, Any]) -> Frame:
+    """Any event that parsed into an object and is not an error."""
     progress = data.get("prompt_progress")
     if progress is not None:
         progress = parse_progress(progress)

@@ -207,3 +207,52 @@ def test_changed_is_set_at_the_next_change_only() -> None:
         assert not generation.changed().is_set()
 
     asyncio.run(run())
+
+
+PLAIN_SHAPES: list[dict[str, Any]] = [
+    {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+    {"choices": [{"delta": {"content": "Hel"}}]},  # no index: the first choice
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
+    {"choices": [{"index": 0, "delta": {"content": "lo"}}], "timings": {"cache_n": 1}},
+    {"choices": [{"index": 0, "delta": {"content": "lo"}}], "usage": {"prompt_tokens": 1}},
+    {"choices": [{"index": 0.0, "delta": {"content": "x"}}]},  # 0.0 == 0, both paths say
+    # not plain, each in one way: the general path decides
+    {"choices": [{"index": 1, "delta": {"content": "x"}}]},
+    {"choices": [{"index": False, "delta": {"content": "x"}}]},
+    {"choices": [{"index": 0, "delta": {"content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"content": None}}]},
+    {"choices": [{"index": 0, "delta": {"content": 7}}]},
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "x"}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]},
+    {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]},
+    {"choices": [{"index": 0, "delta": {"content": "x"}}],
+     "prompt_progress": {"total": 4, "cache": 1, "processed": 4, "time_ms": 1.0}},
+    {"choices": [{"index": 0, "delta": {"content": "x"}}], "prompt_progress": None},
+    {"choices": [{"index": 0, "text": "x"}]},  # /v1/completions
+    {"choices": [{"index": 0, "delta": {"content": "x"}},
+                 {"index": 1, "delta": {"content": "y"}}]},
+    {"choices": [{"index": 0, "delta": "x"}]},
+    {"choices": [], "usage": {"prompt_tokens": 1}},
+    {"choices": {"index": 0}},
+]
+
+
+@pytest.mark.parametrize(("shape", "payload"), list(enumerate(PLAIN_SHAPES)))
+def test_the_plain_chunk_path_makes_the_frame_the_general_path_makes(
+        shape: int, payload: dict[str, Any]) -> None:
+    from adapters._openai_sse import _classify_object, _plain_text_chunk
+
+    raw = event({**ENVELOPE, **payload})
+    (sse,) = SSEDecoder().feed(raw)
+    data = json.loads(sse.data)
+    general = _classify_object(sse, sse.data, data)
+    fast = _plain_text_chunk(sse, sse.data, data)
+    chosen = classify(sse)
+    for frame in [f for f in (fast, chosen) if f is not None]:
+        assert (frame.kind, frame.raw, frame.data, frame.progress, frame.has_output,
+                frame.finish, frame.parsed, frame.figured, frame.delta_field,
+                frame.delta_text) == (
+            general.kind, general.raw, general.data, general.progress, general.has_output,
+            general.finish, general.parsed, general.figured, general.delta_field,
+            general.delta_text)
+    assert (fast is not None) == (shape < 6)  # (False == 0 == 0.0: compared by position)
