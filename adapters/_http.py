@@ -235,7 +235,9 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
             items = decoder.feed(chunk)
         except ValueError as exc:  # an item past the decoder's size limit
             raise UpstreamProtocolError(f"{what}: {exc}") from exc
-        if items:
+        if len(items) == 1:  # one event per read: a token at a time
+            sink([classify(items[0])])
+        elif items:
             sink([classify(item) for item in items])
 
     with map_httpx_errors(what):

@@ -194,9 +194,9 @@ class AffinityPlanner:
             self.pool.record_tokens(plan.slot, session.id, held)
             if self.parking is not None:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
-        entries = self.pool.entries
+        occupants = self.pool.occupants()
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
-            len(entries) - [e.occupant for e in entries].count(None))
+            len(occupants) - occupants.count(None))
 
     async def _decide(self, client: ClientRequest, namespace: str,
                       identity: ExplicitIdentity | None, backend: Backend,

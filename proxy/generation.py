@@ -211,13 +211,15 @@ class Generation:
         sent its next turn."""
         if self.completed:
             return
+        log, timeline = self.frames, self.timeline
         for frame in frames:
+            if frame.progress is not None or (frame.has_output
+                                              and timeline.first_output is None):
+                self._note(frame)
             kind = frame.kind
             if kind is _ERROR:
-                self._note(frame)
                 raise _mid_stream_error(frame)  # the frames before it still reach the clients
-            self._note(frame)
-            self.frames.append(frame)
+            log.append(frame)
             if kind is _DONE:
                 self.completed = True
                 break
@@ -226,6 +228,8 @@ class Generation:
             self._loop.call_soon(self._settle)
 
     def _note(self, frame: Frame) -> None:
+        """The progress a frame carries, and when the first progress and output came (the
+        caller calls this only for a frame that may change either)."""
         timeline = self.timeline
         if frame.progress is not None:
             self.progress = frame.progress

@@ -24,9 +24,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from core.errors import ProxyError, QueueTimeoutError
 from proxy.sessions import Kind
+
+_OCCUPANT = attrgetter("occupant")
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.
 IDLE_HALF_LIFE_S = 120.0
@@ -166,10 +169,16 @@ class SlotPool:
         self._known: set[int] = set()  # slots whose contents the proxy put there
 
     def holder_of(self, session_id: str) -> int | None:
-        for entry in self.entries:  # once per request, over every slot (256 on a big engine)
-            if entry.occupant == session_id:
-                return entry.index
-        return None
+        # Once per request, over every slot (256 on a big engine): the scan in C.
+        try:
+            position = self.occupants().index(session_id)
+        except ValueError:
+            return None
+        return self.entries[position].index
+
+    def occupants(self) -> list[str | None]:
+        """Each slot's occupant, in slot order (read in one C-level pass)."""
+        return list(map(_OCCUPANT, self.entries))
 
     def forget(self, session_id: str) -> None:
         for entry in self.entries:
