@@ -30,9 +30,6 @@ from core.errors import (
 from proxy.logs import get_logger
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
-# A subscriber's timer may fire this early (a loop's clock resolution: uvloop's is 1 ms):
-# its wait still ends then, rather than spinning on re-armed timers until the deadline.
-TIMER_SLACK_S = 0.001
 _ERROR, _DONE = FrameKind.ERROR, FrameKind.DONE  # read per frame: globals, not enum lookups
 
 
@@ -74,11 +71,9 @@ class Generation:
         self.waiting: str | None = None  # why no request went out yet (e.g. queued for a slot)
         self.timeline = Timeline()
         self._loop = asyncio.get_running_loop()
-        # Who waits for the next change: subscribers' futures (``Subscriber.next_frames``)
-        # and, only once someone asks, an event (``changed``). A change wakes them all at
-        # once; with nobody waiting (the frames after the first of one engine read) it
-        # costs nothing.
-        self._waiters: list[asyncio.Future[bool]] = []
+        # Who hears of the next change: the listeners (clients' streams, called by the
+        # change itself) and, only once someone asks, an event (``changed``: the waits for
+        # the answer, the Redis tap); with no event asked for, a change costs the calls.
         self._wakeup: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
         self._subscribers = 0
@@ -154,15 +149,10 @@ class Generation:
     def _notify(self) -> None:
         for listener in self._listeners:
             listener()
-        # Broadcast: wake every waiter; the next change has its own.
+        # Broadcast: wake every waiter of the event; the next change has its own.
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
-        if self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(True)
 
     async def _run(self) -> None:
         try:
@@ -203,12 +193,12 @@ class Generation:
             raise UpstreamProtocolError("engine closed the stream before it finished")
 
     def _take_frames(self, frames: list[Frame]) -> None:
-        """The frames of one engine read, in order, into the log, the clients woken once.
-        The frames after the answer are read (so the
-        connection is reused) and dropped. Complete, the answer is settled (the session's
-        history committed) right after the clients' tasks, woken first, wrote their last
-        bytes, in the same turn of the loop: before any client can have read them and
-        sent its next turn."""
+        """The frames of one engine read, in order, into the log, the clients told once.
+        The frames after the answer are read (so the connection is reused) and dropped.
+        Complete, the answer is settled (the session's history committed) right after the
+        clients wrote their last bytes (those the change wrote, and the tasks it woke), in
+        the same turn of the loop: before any client can have read them and sent its next
+        turn."""
         if self.completed:
             return
         log, timeline = self.frames, self.timeline
@@ -266,75 +256,13 @@ class Generation:
 
 
 class Subscriber:
-    """A client's read position in a generation's frame log.
-
-    Waiting costs no timer per frame: one timer per subscriber, armed for the deadline of
-    the first wait and moved on only when it fires before the current one (a heartbeat's
-    deadline moves with every write), so a stream of frames arms it about once per
-    heartbeat interval.
-    """
+    """A client's read position in a generation's frame log (its stream is written from
+    the generation's changes: ``Generation.listen``, ``proxy.relay.LiveStream``)."""
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self.position = 0
         self._closed = False
-        self._waiter: asyncio.Future[bool] | None = None
-        self._deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-
-    async def next_frames(self, deadline: float, limit: int) -> list[Frame] | None:
-        """The frames produced that this client has not read (at least one, up to
-        ``limit``), waiting for the first until ``deadline`` (``time.monotonic()``);
-        ``None`` when it passed first. Raises ``StopAsyncIteration`` at the end."""
-        generation = self.generation
-        while self.position >= len(generation.frames):
-            if generation.answered:
-                raise StopAsyncIteration
-            if not await self._wait(deadline):
-                return None
-        return self.take_ready(limit)
-
-    async def next_frame(self, wait_s: float) -> Frame | None:
-        """The next frame; ``None`` when ``wait_s`` passed first. Raises at the end."""
-        frames = await self.next_frames(time.monotonic() + wait_s, 1)
-        return frames[0] if frames else None
-
-    async def _wait(self, deadline: float) -> bool:
-        """Until the generation changes (True) or ``deadline`` passes (False)."""
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        generation = self.generation
-        waiter: asyncio.Future[bool] = generation._loop.create_future()
-        self._waiter = waiter
-        generation._waiters.append(waiter)
-        self._deadline = deadline
-        if self._timer is None or self._timer_at > deadline:
-            self._arm(deadline, now)
-        try:
-            return await waiter
-        finally:
-            self._waiter = None
-
-    def _arm(self, at: float, now: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = at
-        self._timer = self.generation._loop.call_later(at - now, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return  # nobody waits now: the next wait arms it again
-        now = time.monotonic()
-        if now >= self._deadline - TIMER_SLACK_S:
-            waiter.set_result(False)
-            with contextlib.suppress(ValueError):  # a long silence must not pile them up
-                self.generation._waiters.remove(waiter)
-        else:
-            self._arm(self._deadline, now)
 
     def take_ready(self, limit: int) -> list[Frame]:
         """The frames already produced that this client has not read, up to ``limit``."""
@@ -344,9 +272,6 @@ class Subscriber:
         return taken
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if not self._closed:
             self._closed = True
             self.generation._unsubscribe()

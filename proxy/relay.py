@@ -28,13 +28,16 @@ from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
 from proxy.codecs import Codec, codec_of
 from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
-from proxy.generation import TIMER_SLACK_S, Generation, Subscriber
+from proxy.generation import Generation, Subscriber
 from proxy.validation import ClientRequest
 
 # ``_ensure_usage``: the OpenAI codec's usage fill, under the name tests read it by here.
 __all__ = ["BATCH_FRAMES", "_ensure_usage", "heartbeat_text", "respond"]
 
 BATCH_FRAMES = 256
+# A client's heartbeat timer may fire this early (a loop's clock resolution: uvloop's is
+# 1 ms): its sleep still ends then, rather than spinning on re-armed timers until the due.
+TIMER_SLACK_S = 0.001
 
 
 async def respond(request: Request, client: ClientRequest, generation: Generation, *,

@@ -66,13 +66,21 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def started(generation: Generation, heartbeat_s: float = 30.0,
+                  beats: list[int] | None = None
+                  ) -> tuple[LiveStream, Any, Client, asyncio.Task[None]]:
+    """A client's stream running, its head and opening out, its task asleep."""
+    response, request = live(generation, heartbeat_s, beats)
+    sent = Client()
+    task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
+    await settle()
+    return response, request, sent, task
+
+
 def test_frames_are_written_by_the_change_itself_and_the_stream_ends_whole() -> None:
     async def run() -> None:
         generation = Generation(opener_of, grace_s=0)
-        response, request = live(generation)
-        sent = Client()
-        task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
-        await settle()  # the head and the opening are out; the task sleeps
+        _, request, sent, task = await started(generation)
         frames = frames_of(STREAM)
         before = len(sent.messages)
         generation._take_frames(frames[:3])
@@ -91,10 +99,7 @@ def test_frames_are_written_by_the_change_itself_and_the_stream_ends_whole() -> 
 def test_a_send_that_waits_is_handed_to_the_task_and_nothing_is_lost_or_reordered() -> None:
     async def run() -> None:
         generation = Generation(opener_of, grace_s=0)
-        response, request = live(generation)
-        sent = Client()
-        task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
-        await settle()
+        _, request, sent, task = await started(generation)
         sent.blocked = asyncio.Event()
         frames = frames_of(STREAM)
         for frame in frames[:5]:  # the first write waits; the others must not go around it
@@ -141,9 +146,7 @@ def test_heartbeats_come_after_silence_only() -> None:
     async def run() -> tuple[int, int, Client]:
         generation = Generation(opener_of, grace_s=0)
         beats: list[int] = []
-        response, _ = live(generation, heartbeat_s=0.05, beats=beats)
-        sent = Client()
-        task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
+        _, _, sent, task = await started(generation, heartbeat_s=0.05, beats=beats)
         await asyncio.sleep(0.18)  # silence: about three heartbeats
         silent = len(beats)
         frames = frames_of(STREAM)
@@ -159,3 +162,30 @@ def test_heartbeats_come_after_silence_only() -> None:
     assert 2 <= silent <= 4
     assert flowing == 0
     assert sent.body.count(b": ") >= silent  # each heartbeat is an SSE comment
+
+
+def test_a_client_keeps_one_timer_however_many_writes_and_none_after_the_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    armed: list[float] = []
+    arm = LiveStream._arm
+
+    def counted(self: LiveStream, loop: asyncio.AbstractEventLoop, at: float,
+                now: float) -> None:
+        armed.append(at)
+        arm(self, loop, at, now)
+
+    monkeypatch.setattr(LiveStream, "_arm", counted)
+
+    async def run() -> LiveStream:
+        generation = Generation(opener_of, grace_s=0)
+        response, _, _, task = await started(generation, heartbeat_s=10.0)
+        for frame in frames_of(STREAM):  # every write moves the heartbeat's due
+            generation._take_frames([frame])
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(task, 5)
+        return response
+
+    response = asyncio.run(run())
+    assert len(armed) == 1  # armed once, for the first sleep; never moved by a write
+    assert response._timer is not None
+    assert response._timer.cancelled()  # the end leaves no timer behind

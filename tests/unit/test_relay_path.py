@@ -1,6 +1,6 @@
 """The relay's per-event path: output chunks kept as bytes and parsed only when read
-(``Frame.unparsed``), classified exactly as when every event was parsed; a subscriber's
-waits, batched and timed by one timer; the OpenAI encoder's fast path."""
+(``Frame.unparsed``), classified exactly as when every event was parsed; the generation's
+change event; the OpenAI encoder's fast path. (A client's stream: ``test_live_stream``.)"""
 
 from __future__ import annotations
 
@@ -166,35 +166,6 @@ def test_the_encoder_relays_the_same_bytes_in_batches_or_one_by_one(usage: bool)
         assert b'"usage"' not in whole
         assert b'"finish_reason":"stop"' in whole
         assert b'"timings"' in whole.split(b"\n\n")[-3]
-
-
-def test_a_subscriber_waits_with_one_timer_and_gets_what_arrived_in_one_batch() -> None:
-    async def run() -> None:
-        generation = Generation(opener_of, grace_s=0)
-        subscriber = generation.subscribe()
-        loop = asyncio.get_running_loop()
-        # Silence: the deadline passes, a heartbeat's turn (None).
-        started = loop.time()
-        assert await subscriber.next_frames(loop.time() + 0.05, 16) is None
-        assert 0.04 <= loop.time() - started < 0.5
-        assert generation._waiters == []  # a wait that timed out leaves nothing behind
-        frames = frames_of(STREAM[1:4])
-        # Three frames of one engine read: the waiting client wakes once and takes them all.
-        waiting = asyncio.ensure_future(subscriber.next_frames(loop.time() + 10, 16))
-        await asyncio.sleep(0)
-        generation._take_frames(frames)
-        assert await waiting == frames
-        # Many short waits in a row arm no more than a timer each time it fires.
-        for _ in range(20):
-            assert await subscriber.next_frames(loop.time() + 0.001, 16) is None
-        generation.completed = True
-        generation._notify()
-        with pytest.raises(StopAsyncIteration):
-            await subscriber.next_frames(loop.time() + 10, 16)
-        subscriber.close()
-        assert subscriber._timer is None
-
-    asyncio.run(run())
 
 
 def test_changed_is_set_at_the_next_change_only() -> None:
