@@ -245,14 +245,15 @@ class _Connection(asyncio.Protocol):
             self._timer_at = self._deadline
             self._timer = self._loop.call_at(self._deadline, self._on_timer)
 
-    def take(self) -> list[bytes]:
+    def take(self) -> bytes:
+        """Every body chunk that arrived since the last take, in one piece."""
         chunks, self.chunks = self.chunks, []
         self._buffered = 0
         if self._reading_paused and not self._lost:
             assert self._transport is not None
             self._transport.resume_reading()
         self._reading_paused = False
-        return chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -306,10 +307,8 @@ class _Connection(asyncio.Protocol):
         """This read's body to the sink; False when the reader must wake: the response
         ended or failed, or the sink raised (its error is the reader's)."""
         assert self.sink is not None
-        chunks, self.chunks = self.chunks, []
-        self._buffered = 0
         try:
-            self.sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            self.sink(self.take())
         except Exception as exc:
             self.sink, self.sink_error = None, exc
             return False
@@ -433,8 +432,7 @@ class _Body(httpx.AsyncByteStream):
             return
         while True:
             if connection.chunks:
-                chunks = connection.take()
-                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                yield connection.take()
                 continue
             if connection.complete:
                 return
@@ -451,8 +449,7 @@ class _Body(httpx.AsyncByteStream):
         if connection is None:
             return
         if connection.chunks:  # what arrived before the sink was there
-            chunks = connection.take()
-            sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            sink(connection.take())
         connection.sink = sink
         try:
             while True:

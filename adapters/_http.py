@@ -214,11 +214,7 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
     """An engine's streamed body as frames: decoded item by item, each item classified."""
     with map_httpx_errors(what):
         async for chunk in body_chunks(response):
-            try:
-                items = decoder.feed(chunk)
-            except ValueError as exc:  # an item past the decoder's size limit
-                raise UpstreamProtocolError(f"{what}: {exc}") from exc
-            for item in items:
+            for item in _decoded(decoder, chunk, what):
                 yield classify(item)
         for item in decoder.flush():
             yield classify(item)
@@ -231,10 +227,7 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     wakes up per read), else as the body is iterated. Returns at the body's end; raises
     what ``sink`` raises, an engine error as ``UpstreamError``."""
     def feed(chunk: bytes) -> None:
-        try:
-            items = decoder.feed(chunk)
-        except ValueError as exc:  # an item past the decoder's size limit
-            raise UpstreamProtocolError(f"{what}: {exc}") from exc
+        items = _decoded(decoder, chunk, what)
         if len(items) == 1:  # one event per read: a token at a time
             sink([classify(items[0])])
         elif items:
@@ -251,6 +244,19 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
             sink([classify(item) for item in tail])
 
 
+def _decoded(decoder: StreamDecoder[T], chunk: bytes, what: str) -> list[T]:
+    try:
+        return decoder.feed(chunk)
+    except ValueError as exc:  # an item past the decoder's size limit
+        raise UpstreamProtocolError(f"{what}: {exc}") from exc
+
+
+def _identity_encoded(response: httpx.Response) -> bool:
+    """No content encoding: the body's bytes are what the transport read."""
+    encoding = response.headers.get("content-encoding")
+    return encoding is None or encoding.strip().lower() == "identity"
+
+
 class PushedBody(Protocol):
     """A body stream that hands each read to a sink from the read itself (``adapters._h1``)."""
 
@@ -262,9 +268,7 @@ def pushed_body(response: httpx.Response) -> PushedBody | None:
     extensions: httpx wraps its stream) when nothing must decode it (no content
     encoding) and nobody read it yet, marked consumed; else None."""
     body = response.extensions.get(PUSHED_BODY)
-    encoding = response.headers.get("content-encoding")
-    if body is not None and (encoding is None or encoding.strip().lower() == "identity") \
-            and not response.is_stream_consumed:
+    if body is not None and _identity_encoded(response) and not response.is_stream_consumed:
         response.is_stream_consumed = True
         return cast(PushedBody, body)
     return None
@@ -275,9 +279,8 @@ def body_chunks(response: httpx.Response) -> AsyncIterable[bytes]:
     content encoding, straight from the response's stream (``aiter_bytes`` puts two more
     generators and a decoder and a chunker between them, per read)."""
     stream = response.stream
-    encoding = response.headers.get("content-encoding")
-    if (encoding is None or encoding.strip().lower() == "identity") and isinstance(
-            stream, httpx.AsyncByteStream) and not response.is_stream_consumed:
+    if _identity_encoded(response) and isinstance(stream, httpx.AsyncByteStream) \
+            and not response.is_stream_consumed:
         response.is_stream_consumed = True
         return stream
     return response.aiter_bytes()
