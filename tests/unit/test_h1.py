@@ -70,6 +70,19 @@ async def stream_chunks(http: httpx.AsyncClient, body: bytes = b"{}") -> list[by
         await response.aclose()
 
 
+async def stream_events(writer: asyncio.StreamWriter, events: list[bytes], gap_s: float,
+                        *, end: bool = True) -> None:
+    """A chunked event stream's head, its events ``gap_s`` apart (each flushed), and its
+    end unless ``end`` is False (the engine goes silent instead)."""
+    writer.write(SSE_HEAD)
+    for event in events:
+        writer.write(chunk(event))
+        await writer.drain()
+        await asyncio.sleep(gap_s)
+    if end:
+        writer.write(b"0\r\n\r\n")
+
+
 async def read_into(response: httpx.Response, parts: list[bytes]) -> None:
     async for part in response.aiter_raw():
         parts.append(part)
@@ -84,12 +97,7 @@ def test_a_chunked_event_stream_arrives_as_sent_and_the_connection_is_reused() -
             assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
             assert b"\r\ncontent-length: 2\r\n" in request.lower()
             assert request.endswith(b"{}")
-            writer.write(SSE_HEAD)
-            for event in events:
-                writer.write(chunk(event))
-                await writer.drain()
-                await asyncio.sleep(0.01)
-            writer.write(b"0\r\n\r\n")
+            await stream_events(writer, events, 0.01)
 
     async def run() -> tuple[list[bytes], list[bytes], list[int]]:
         async with server(handler) as (url, peers), client(url) as http:
@@ -200,11 +208,8 @@ def test_a_reset_is_a_read_error() -> None:
 def test_silence_past_the_read_timeout_is_a_read_timeout_each_time() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(SSE_HEAD)
-        for _ in range(3):  # within the timeout each: the timer moves on with the data
-            writer.write(chunk(b"data: x\n\n"))
-            await writer.drain()
-            await asyncio.sleep(0.15)
+        # within the timeout each: the timer moves on with the data
+        await stream_events(writer, [b"data: x\n\n"] * 3, 0.15, end=False)
         await asyncio.sleep(5)
 
     async def run() -> tuple[int, float]:
@@ -325,12 +330,7 @@ def test_a_pushed_body_goes_to_the_sink_from_the_read_itself_and_the_connection_
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(2):
             await read_request(reader)
-            writer.write(SSE_HEAD)
-            for event in events:
-                writer.write(chunk(event))
-                await writer.drain()
-                await asyncio.sleep(0.01)
-            writer.write(b"0\r\n\r\n")
+            await stream_events(writer, events, 0.01)
 
     async def run() -> tuple[list[bytes], list[object], list[int]]:
         got: list[bytes] = []
@@ -356,12 +356,9 @@ def test_a_pushed_body_goes_to_the_sink_from_the_read_itself_and_the_connection_
 def test_a_pushed_body_times_out_only_after_the_read_timeout_of_silence() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(SSE_HEAD)
-        for i in range(8):  # 0.4 s of events, 0.05 s apart: longer than the timeout
-            writer.write(chunk(b"data: %d\n\n" % i))
-            await writer.drain()
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(5)  # then silence
+        # 0.4 s of events, 0.05 s apart: longer than the timeout; then silence
+        await stream_events(writer, [b"data: %d\n\n" % i for i in range(8)], 0.05, end=False)
+        await asyncio.sleep(5)
 
     async def run() -> tuple[int, float]:
         got: list[bytes] = []
@@ -381,12 +378,7 @@ def test_what_the_sink_raises_is_the_reader_s_and_the_connection_is_not_reused()
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             await read_request(reader)
-            writer.write(SSE_HEAD)
-            for i in range(4):
-                writer.write(chunk(b"data: %d\n\n" % i))
-                await writer.drain()
-                await asyncio.sleep(0.01)
-            writer.write(b"0\r\n\r\n")
+            await stream_events(writer, [b"data: %d\n\n" % i for i in range(4)], 0.01)
 
     class Refused(Exception):
         pass
