@@ -295,28 +295,24 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}",
                                                  request=self._request_or_none()))
-        if self.sink is not None and self.chunks and self._pushed():
-            return  # the reader waits for the end only
+        if (sink := self.sink) is not None and self.chunks:
+            # This read's body to the sink (inline: once per relayed event); the reader
+            # wakes only when the response ended or failed, or the sink raised (its error
+            # is the reader's).
+            try:
+                sink(self.take())
+            except Exception as exc:
+                self.sink, self.sink_error = None, exc
+            else:
+                if not self.complete and self.error is None:
+                    if self._timeout_s is not None:  # the silence the timeout measures restarts
+                        self._deadline = self._loop.time() + self._timeout_s
+                    return
         if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
             assert self._transport is not None
             self._transport.pause_reading()
             self._reading_paused = True
         self._wake()
-
-    def _pushed(self) -> bool:
-        """This read's body to the sink; False when the reader must wake: the response
-        ended or failed, or the sink raised (its error is the reader's)."""
-        assert self.sink is not None
-        try:
-            self.sink(self.take())
-        except Exception as exc:
-            self.sink, self.sink_error = None, exc
-            return False
-        if self.complete or self.error is not None:
-            return False
-        if self._timeout_s is not None:  # a read: the silence the timeout measures restarts
-            self._deadline = self._loop.time() + self._timeout_s
-        return True
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from adapters.base import Frame, FrameKind, Progress
 from core.errors import UpstreamProtocolError
 from core.figures import count_of
@@ -31,7 +33,12 @@ def classify(event: SSEEvent) -> Frame:
         return Frame(_PING, event.raw)
     if text == "[DONE]" or text.strip() == "[DONE]":
         return Frame(_DONE, event.raw)
-    data = _parse_object(text)
+    try:  # orjson inline (once per event); anything else takes the general path
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        data = _parse_object(text)
+    if type(data) is not dict:
+        data = _parse_object(text)
     if "error" in data:
         return Frame(_ERROR, event.raw, data)
     if (plain := _plain_text_chunk(event, text, data)) is not None:

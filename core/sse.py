@@ -35,6 +35,11 @@ class SSEDecoder:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not self._buffer and not self._cr and b"\r" not in chunk:
+            if chunk.startswith(b"data: ") and chunk.find(b"\n", 6) == len(chunk) - 2 and (
+                    chunk.endswith(b"\n\n")):
+                # The read of a token stream: one event of one data line, whole (what
+                # ``_feed_whole`` and ``_parse_block`` make of it, without their calls).
+                return [SSEEvent(chunk, chunk[6:-2].decode("utf-8", errors="replace"))]
             return self._feed_whole(chunk)
         self._buffer += chunk
         events: list[SSEEvent] = []

@@ -213,7 +213,12 @@ class Generation:
             if kind is _DONE:
                 self.completed = True
                 break
-        self._notify()
+        # ``_notify``, inline (once per engine read)
+        for listener in self._listeners:
+            listener()
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
         if self.completed:
             self._loop.call_soon(self._settle)
 

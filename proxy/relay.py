@@ -166,8 +166,10 @@ class LiveStream(StreamResponse):
         send, subscriber, log = self._send, self._subscriber, self._generation.frames
         assert send is not None
         try:
-            while subscriber.position < len(log):
-                frames = subscriber.take_ready(BATCH_FRAMES)
+            while (position := subscriber.position) < len(log):
+                # ``take_ready``, inline (once per event)
+                frames = log[position:position + BATCH_FRAMES]
+                subscriber.position = position + len(frames)
                 if not (out := self._encode.encode(frames)):
                     continue
                 self._quiet_until = time.monotonic() + self._heartbeat_s
