@@ -226,13 +226,8 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     from the engine connection's read where the transport can (``PushedBody``: no task
     wakes up per read), else as the body is iterated. Returns at the body's end; raises
     what ``sink`` raises, an engine error as ``UpstreamError``."""
-    decode = decoder.feed
-
     def feed(chunk: bytes) -> None:
-        try:  # ``_decoded``, inline: this runs once per engine read
-            items = decode(chunk)
-        except ValueError as exc:  # an item past the decoder's size limit
-            raise UpstreamProtocolError(f"{what}: {exc}") from exc
+        items = _decoded(decoder, chunk, what)
         if len(items) == 1:  # one event per read: a token at a time
             sink([classify(items[0])])
         elif items:

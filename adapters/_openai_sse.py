@@ -33,11 +33,11 @@ def classify(event: SSEEvent) -> Frame:
         return Frame(_PING, event.raw)
     if text == "[DONE]" or text.strip() == "[DONE]":
         return Frame(_DONE, event.raw)
-    try:  # orjson inline (once per event); anything else takes the general path
+    try:  # orjson inline (once per event)
         data = orjson.loads(text)
     except orjson.JSONDecodeError:
-        data = _parse_object(text)
-    if type(data) is not dict:
+        data = None
+    if type(data) is not dict:  # refused, or not an object: the general path and its errors
         data = _parse_object(text)
     if "error" in data:
         return Frame(_ERROR, event.raw, data)

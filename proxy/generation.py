@@ -213,12 +213,7 @@ class Generation:
             if kind is _DONE:
                 self.completed = True
                 break
-        # ``_notify``, inline (once per engine read)
-        for listener in self._listeners:
-            listener()
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
+        self._notify()
         if self.completed:
             self._loop.call_soon(self._settle)
 

@@ -166,15 +166,12 @@ class LiveStream(StreamResponse):
         send, subscriber, log = self._send, self._subscriber, self._generation.frames
         assert send is not None
         try:
-            while (position := subscriber.position) < len(log):
-                # ``take_ready``, inline (once per event)
-                frames = log[position:position + BATCH_FRAMES]
-                subscriber.position = position + len(frames)
+            while subscriber.position < len(log):
+                frames = subscriber.take_ready(BATCH_FRAMES)
                 if not (out := self._encode.encode(frames)):
                     continue
                 self._quiet_until = time.monotonic() + self._heartbeat_s
-                sending = send({"type": "http.response.body", "body": out,
-                                "more_body": True}).__await__()
+                sending = send(_body(out)).__await__()
                 # Run the send: one that need not wait ends in this loop's first step
                 # (iterated, a coroutine that returns None raises no StopIteration: an
                 # exception per event was a tenth of this function's cost).
