@@ -149,8 +149,8 @@ class _Connection(asyncio.Protocol):
         self._timer_at = 0.0
         self._deadline = 0.0
         self._timeout_s: float | None = None
-        # While set (``_Body.push``), every read's body bytes go to it from the read itself,
-        # and nobody is woken until the response ends.
+        # While set (``_Body.push``), the body's bytes go to it from the parser's callback as
+        # they are read, and nobody is woken until the response ends.
         self.sink: Callable[[bytes], None] | None = None
         self._in_request = False
         self._lost = False
@@ -295,19 +295,13 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}",
                                                  request=self._request_or_none()))
-        if (sink := self.sink) is not None and self.chunks:
-            # This read's body to the sink (inline: once per relayed event); the reader
-            # wakes only when the response ended or failed, or the sink raised (its error
-            # is the reader's).
-            try:
-                sink(self.take())
-            except Exception as exc:
-                self.sink, self.sink_error = None, exc
-            else:
-                if not self.complete and self.error is None:
-                    if self._timeout_s is not None:  # the silence the timeout measures restarts
-                        self._deadline = self._loop.time() + self._timeout_s
-                    return
+        if self.sink is not None and not self.complete and self.error is None:
+            # The body went to the sink from the parser's callback (``on_body``: once per
+            # relayed event); the reader wakes only when the response ended or failed, or
+            # the sink raised (its error is the reader's: the sink is gone then).
+            if self._timeout_s is not None:  # the silence the timeout measures restarts
+                self._deadline = self._loop.time() + self._timeout_s
+            return
         if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
             assert self._transport is not None
             self._transport.pause_reading()
@@ -380,6 +374,12 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:
             return  # a second response nobody asked for (closed below)
+        if (sink := self.sink) is not None:
+            try:
+                sink(body)
+            except Exception as exc:  # the reader's to raise; nothing more goes to it
+                self.sink, self.sink_error = None, exc
+            return
         self.chunks.append(body)
         self._buffered += len(body)
 

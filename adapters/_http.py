@@ -199,6 +199,11 @@ class StreamDecoder(Protocol[T]):
 
     def flush(self) -> list[T]: ...
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of an unfinished item is held: the next byte starts a new one."""
+        ...
+
 
 def expect_media_type(what: str, content_type: str | None, media_type: str,
                       description: str) -> None:
@@ -221,12 +226,21 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
 
 
 async def push_decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
-                              classify: Callable[[T], Frame], sink: FrameSink) -> None:
-    """``decoded_frames``, pushed: the frames of each read to ``sink`` as one list, called
-    from the engine connection's read where the transport can (``PushedBody``: no task
-    wakes up per read), else as the body is iterated. Returns at the body's end; raises
-    what ``sink`` raises, an engine error as ``UpstreamError``."""
+                              classify: Callable[[T], Frame], sink: FrameSink, *,
+                              whole: Callable[[bytes], Frame | None] | None = None) -> None:
+    """``decoded_frames``, pushed: the frames of each piece of the body to ``sink`` as one
+    list, called from the engine connection's read where the transport can (``PushedBody``:
+    no task wakes up per read), else as the body is iterated. Returns at the body's end;
+    raises what ``sink`` raises, an engine error as ``UpstreamError``.
+
+    ``whole``: the frame of a piece that is exactly one whole item (what the decoder
+    would make of it, then ``classify``), or None for any other piece; asked only while
+    the decoder holds nothing, it spares the common piece, one streamed token, the
+    decoder's item and a call or two (``adapters._openai_sse.classify_whole``)."""
     def feed(chunk: bytes) -> None:
+        if whole is not None and decoder.idle and (frame := whole(chunk)) is not None:
+            sink([frame])
+            return
         items = _decoded(decoder, chunk, what)
         if len(items) == 1:  # one event per read: a token at a time
             sink([classify(items[0])])

@@ -19,7 +19,7 @@ from adapters.base import Frame, FrameKind, Progress
 from core.errors import UpstreamProtocolError
 from core.figures import count_of
 from core.frames import parse_json_object
-from core.sse import SSEEvent
+from core.sse import SSEEvent, one_data_line
 
 # Read per event: a module global costs a fraction of an attribute of the enum class.
 _PING, _DONE, _ERROR, _USAGE, _PROGRESS, _CHUNK = (
@@ -39,14 +39,38 @@ def classify(event: SSEEvent) -> Frame:
         data = None
     if type(data) is not dict:  # refused, or not an object: the general path and its errors
         data = _parse_object(text)
+    return _classify_data(event.raw, text, data)
+
+
+def classify_whole(chunk: bytes) -> Frame | None:
+    """The frame of a read that is exactly one event of one data line holding a JSON
+    object (a streamed token, the bulk of a stream): what ``classify`` makes of the event
+    ``core.sse.SSEDecoder`` would decode from it, without that event, and without decoding
+    the data (orjson reads the bytes; the frame keeps them). None for any other read (an
+    object orjson refuses included): the decoder and ``classify`` take it, errors and all.
+    For a decoder that holds nothing (``adapters._http.push_decoded_frames``)."""
+    payload = one_data_line(chunk)
+    if payload is None or not payload.startswith(b"{"):
+        return None
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if type(data) is not dict:
+        return None
+    return _classify_data(chunk, payload, data)
+
+
+def _classify_data(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Frame:
+    """An event whose data parsed into the object ``data`` (``text``: that data)."""
     if "error" in data:
-        return Frame(_ERROR, event.raw, data)
-    if (plain := _plain_text_chunk(event, text, data)) is not None:
+        return Frame(_ERROR, raw, data)
+    if (plain := _plain_text_chunk(raw, text, data)) is not None:
         return plain
-    return _classify_object(event, text, data)
+    return _classify_object(raw, text, data)
 
 
-def _plain_text_chunk(event: SSEEvent, text: str, data: dict[str, Any]) -> Frame | None:
+def _plain_text_chunk(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Frame | None:
     """The bulk of a chat stream in one look: one choice (index 0), no finish, no
     progress, a delta of one non-empty text field. Exactly the frame ``_classify_object``
     makes of it (tested), without its passes over the choices; None for anything else."""
@@ -63,31 +87,31 @@ def _plain_text_chunk(event: SSEEvent, text: str, data: dict[str, Any]) -> Frame
     ((field, value),) = delta.items()
     if type(value) is not str or not value or field not in ("content", "reasoning_content"):
         return None
-    frame = Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+    frame = Frame.unparsed(_CHUNK, raw, text, None, True, False)
     frame.figured = "timings" in data or "usage" in data
     frame.delta_field, frame.delta_text = field, value
     return frame
 
 
-def _classify_object(event: SSEEvent, text: str, data: dict[str, Any]) -> Frame:
+def _classify_object(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Frame:
     """Any event that parsed into an object and is not an error."""
     progress = data.get("prompt_progress")
     if progress is not None:
         progress = parse_progress(progress)
     choices = data.get("choices")
     if choices == [] and "usage" in data:
-        return Frame(_USAGE, event.raw, data, progress)
+        return Frame(_USAGE, raw, data, progress)
     has_output, finish = _output_and_finish(choices)
     if progress is not None and not has_output and not finish:
-        return Frame(_PROGRESS, event.raw, data, progress)
+        return Frame(_PROGRESS, raw, data, progress)
     if has_output and progress is None and not finish:
         # A plain output chunk, the bulk of a stream: relayed as its bytes, the objects it
         # parsed into let go, made again only if something reads them (``Frame.unparsed``).
-        frame = Frame.unparsed(_CHUNK, event.raw, text, None, True, False)
+        frame = Frame.unparsed(_CHUNK, raw, text, None, True, False)
         frame.figured = "timings" in data or "usage" in data  # (llama-server's per token)
         _note_plain_delta(frame, choices)
         return frame
-    return Frame(_CHUNK, event.raw, data, progress, has_output, finish)
+    return Frame(_CHUNK, raw, data, progress, has_output, finish)
 
 
 def _note_plain_delta(frame: Frame, choices: object) -> None:

@@ -29,7 +29,7 @@ from adapters._http import (
     send_with_stale_retry,
 )
 from adapters._llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
-from adapters._openai_sse import classify
+from adapters._openai_sse import classify, classify_whole
 from adapters.base import (
     Capabilities,
     EngineInfo,
@@ -203,8 +203,11 @@ class _LlamaStream:
 
     async def push_frames(self, sink: FrameSink) -> None:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
+        # OpenAI's events: a read that is one whole token event is classified from its
+        # bytes (``classify_whole``); the native API's events take the decoder always.
+        whole = classify_whole if self._classify is classify else None
         await push_decoded_frames(self._response, self._what, SSEDecoder(), self._classify,
-                                  sink)
+                                  sink, whole=whole)
 
 
 def _header_bytes(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -64,7 +64,7 @@ class NullTransport:
         return default
 
 
-async def one_stream(client: Any, out: NullTransport) -> Any:
+async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     """A stream set up to its first token: the connection to feed, the client asleep."""
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -86,10 +86,17 @@ async def one_stream(client: Any, out: NullTransport) -> Any:
                               extensions={PUSHED_BODY: body})
     generation = Generation(lambda g: None, grace_s=0)  # type: ignore[arg-type, return-value]
     consume = asyncio.create_task(generation._consume(_LlamaStream(response, "POST /v1")))
+    transport: Any = out
+    scope: dict[str, Any] = {"type": "http"}
+    if batch is not None:  # the tree batches client writes and has the body writer
+        from proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter
+        transport = BatchedTransport(out, batch)  # type: ignore[arg-type]
     cycle = RequestResponseCycle(
         {"type": "http", "method": "POST"},  # type: ignore[typeddict-item]
-        out, FlowControl(out), logging.getLogger("x"),  # type: ignore[arg-type]
+        transport, FlowControl(transport), logging.getLogger("x"),
         logging.getLogger("y"), False, [], asyncio.Event(), False, True, lambda: None)
+    if batch is not None:
+        scope["extensions"] = {BODY_WRITER: ChunkedBodyWriter(cycle).write}
     live = LiveStream(codec_of(client), generation.subscribe(), client, 30.0, lambda: None,
                       True)
 
@@ -97,10 +104,18 @@ async def one_stream(client: Any, out: NullTransport) -> Any:
         await asyncio.Event().wait()
 
     send: Any = cycle.send  # uvicorn's typed ASGI send, as the server hands it over
-    task = asyncio.create_task(live({"type": "http"}, receive, send))
+    task = asyncio.create_task(live(scope, receive, send))
     for _ in range(10):
         await asyncio.sleep(0)
     return connection, consume, task
+
+
+def _batch_if_any() -> Any:
+    try:
+        from proxy.client_writes import WriteBatch
+    except ImportError:  # a tree from before client writes were batched
+        return None
+    return WriteBatch(asyncio.get_running_loop())
 
 
 class _NoFallback(httpx.AsyncBaseTransport):
@@ -118,7 +133,9 @@ async def measure(streams: int, events: int) -> tuple[float, int]:
                       "stream_options": {"include_usage": True}}).encode()
     client = parse_request(raw, "chat", "/v1/chat/completions", max_messages=100)
     out = NullTransport()
-    set_up = [await one_stream(client, out) for _ in range(streams)]
+    batch = _batch_if_any()
+    set_up = [await one_stream(client, out, batch) for _ in range(streams)]
+    flush = batch.flush if batch is not None else (lambda: None)
     feed = [connection.data_received for connection, _, _ in set_up]
     tokens = [token_event(i) for i in range(max(1, events // streams))]
     best = float("inf")
@@ -127,6 +144,7 @@ async def measure(streams: int, events: int) -> tuple[float, int]:
         for token in tokens:
             for data_received in feed:
                 data_received(token)
+            flush()  # the end of the loop's turn
         best = min(best, (time.process_time() - started) / (len(tokens) * streams))
     for _, consume, task in set_up:
         consume.cancel()

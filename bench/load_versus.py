@@ -8,7 +8,13 @@ round sends half the streams through each, at once: the same phase of the machin
 same contention. Per round: each proxy's CPU (``/proc``: utime + stime, and utime alone)
 per event its clients checked, and the ratio of each tree to the first.
 
+Each tree's streams come from a client process of its own (``--clients separate``, the
+default; forked per round, both started at the same instant): a client shared by both
+(``--clients shared``, what this bench did first) is woken by either proxy's writes, which
+hides what one proxy's way of writing costs the kernel (``proxy.client_writes``).
+
     python bench/load_versus.py BEFORE_TREE AFTER_TREE [--rounds 8] [--streams 256]
+                                [--clients separate|shared]
 
 A tree is a directory holding ``proxy/cli.py`` (a ``git worktree``; this checkout is
 ``.``). The absolute figures are not ``bench/load.py``'s (two proxies share the cores):
@@ -21,9 +27,11 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,28 +54,73 @@ def tree_of(path: str) -> Tree:
     return Tree.this() if Path(path).resolve() == HERE else Tree.other(Path(path))
 
 
-async def rounds(procs: dict[str, tuple[int, int]], plan: load.Plan, warm: load.Plan,
-                 count: int) -> dict[str, dict[str, list[float]]]:
-    for name, (port, _) in procs.items():
-        await load.run_round(port, warm, warm.requests(f"warm-{name}", 0))
-        await load.run_round(port, plan, plan.requests(f"warm2-{name}", 0))
+def checked_events(streams: list[load.Stream], name: str) -> int:
+    bad = [s for s in streams if s.failed or any(s.problems().values())]
+    if bad:
+        raise SystemExit(f"{name}: {len(bad)} streams failed or lost events")
+    return sum(len(s.seqs) for s in streams)
+
+
+async def shared_client(procs: dict[str, tuple[int, int]], plan: load.Plan,
+                        index: int) -> dict[str, int]:
+    """One round of every tree's streams from this process: events checked per tree."""
+    results = await asyncio.gather(*(
+        load.run_round(port, plan, plan.requests(f"{n}-{index}", index))
+        for n, (port, _) in procs.items()))
+    return {name: checked_events(streams, name)
+            for name, streams in zip(procs, results, strict=True)}
+
+
+def _client_process(port: int, plan: load.Plan, name: str, index: int, start_at: float,
+                    out: Any) -> None:
+    gc.disable()  # the client's own collector stays out of the round
+    time.sleep(max(0.0, start_at - time.time()))
+    streams = load.run_async(load.run_round(port, plan, plan.requests(f"{name}-{index}", index)))
+    out.put((name, checked_events(streams, name)))
+
+
+def separate_clients(procs: dict[str, tuple[int, int]], plan: load.Plan,
+                     index: int) -> dict[str, int]:
+    """One round, each tree's streams from a client process of its own (forked now, both
+    starting at the same instant): events checked per tree."""
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    start_at = time.time() + 0.3
+    children = [context.Process(target=_client_process,
+                                args=(port, plan, name, index, start_at, out))
+                for name, (port, _) in procs.items()]
+    for child in children:
+        child.start()
+    events = dict(out.get(timeout=plan.stream_s * 4 + 120) for _ in children)
+    for child in children:
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"a client process failed ({child.exitcode})")
+    return events
+
+
+def rounds(procs: dict[str, tuple[int, int]], plan: load.Plan, warm: load.Plan,
+           count: int, separate: bool) -> dict[str, dict[str, list[float]]]:
+    async def warm_up() -> None:
+        for name, (port, _) in procs.items():
+            await load.run_round(port, warm, warm.requests(f"warm-{name}", 0))
+            await load.run_round(port, plan, plan.requests(f"warm2-{name}", 0))
+
+    load.run_async(warm_up())
     out: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "user": []} for n in procs}
     for index in range(1, count + 1):
         gc.collect()
         gc.disable()
         cpu0 = {n: load.cpu_seconds(pid) for n, (_, pid) in procs.items()}
         user0 = {n: user_seconds(pid) for n, (_, pid) in procs.items()}
-        results = await asyncio.gather(*(
-            load.run_round(port, plan, plan.requests(f"{n}-{index}", index))
-            for n, (port, _) in procs.items()))
-        await asyncio.sleep(0.5)  # the work after the last byte counts
-        for (name, (_, pid)), streams in zip(procs.items(), results, strict=True):
-            bad = [s for s in streams if s.failed or any(s.problems().values())]
-            if bad:
-                raise SystemExit(f"{name}: {len(bad)} streams failed or lost events")
-            events = sum(len(s.seqs) for s in streams)
-            out[name]["cpu"].append((load.cpu_seconds(pid) - cpu0[name]) / events * 1e6)
-            out[name]["user"].append((user_seconds(pid) - user0[name]) / events * 1e6)
+        if separate:
+            events = separate_clients(procs, plan, index)
+        else:
+            events = load.run_async(shared_client(procs, plan, index))
+        time.sleep(0.5)  # the work after the last byte counts
+        for name, (_, pid) in procs.items():
+            out[name]["cpu"].append((load.cpu_seconds(pid) - cpu0[name]) / events[name] * 1e6)
+            out[name]["user"].append((user_seconds(pid) - user0[name]) / events[name] * 1e6)
         gc.enable()
         print(f"round {index}: " + ", ".join(
             f"{n} {v['cpu'][-1]:.1f} µs/event" for n, v in out.items()), flush=True)
@@ -81,6 +134,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=256, help="in all, half per tree")
     parser.add_argument("--events", type=int, default=100)
     parser.add_argument("--token-delay-ms", type=float, default=20.0)
+    parser.add_argument("--clients", choices=("separate", "shared"), default="separate")
     args = parser.parse_args()
     names = [Path(t).resolve().name or t for t in args.trees]
     if names[0] == names[1]:
@@ -108,9 +162,11 @@ def main() -> int:
                 setup.proxy_cmd(fake_port, port), f"http://{load.HOST}:{port}/healthz", plog,
                 **tree.popen_kwargs()))
             procs[name] = (port, proc.pid)
-        result: dict[str, Any] = load.run_async(rounds(procs, half, warm, args.rounds))
+        result: dict[str, Any] = rounds(procs, half, warm, args.rounds,
+                                        args.clients == "separate")
     print()
     print("\n".join(host_lines()))
+    print(f"- clients: {args.clients}; {args.streams // 2} streams per tree, {args.rounds} rounds")
     first = names[0]
     for name in names:
         cpu = [a / b for a, b in zip(result[name]["cpu"], result[first]["cpu"], strict=True)]

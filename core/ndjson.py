@@ -62,6 +62,11 @@ class NDJSONDecoder:
             raise ValueError(f"NDJSON line longer than {self._max_line_bytes} bytes")
         return lines
 
+    @property
+    def idle(self) -> bool:
+        """No part of a line is held."""
+        return not self._buffer
+
     def flush(self) -> list[Line]:
         """A stream whose last line lacks its newline still yields that line (with one)."""
         raw = bytes(self._buffer) + b"\n"

@@ -33,13 +33,18 @@ class SSEDecoder:
         self._scanned = 0  # the buffer holds no event end before this offset
         self._cr = False
 
+    @property
+    def idle(self) -> bool:
+        """No part of an event is held, and no CR was seen (a CR switches to the line
+        endings' general search for the rest of the stream)."""
+        return not self._buffer and not self._cr
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not self._buffer and not self._cr and b"\r" not in chunk:
-            if chunk.startswith(b"data: ") and chunk.find(b"\n", 6) == len(chunk) - 2 and (
-                    chunk.endswith(b"\n\n")):
+            if (data := one_data_line(chunk)) is not None:
                 # The read of a token stream: one event of one data line, whole (what
                 # ``_feed_whole`` and ``_parse_block`` make of it, without their calls).
-                return [SSEEvent(chunk, chunk[6:-2].decode("utf-8", errors="replace"))]
+                return [SSEEvent(chunk, data.decode("utf-8", errors="replace"))]
             return self._feed_whole(chunk)
         self._buffer += chunk
         events: list[SSEEvent] = []
@@ -93,6 +98,16 @@ class SSEDecoder:
         self._buffer.clear()
         self._scanned = 0
         return [_parse_block(raw, raw + b"\n\n")]
+
+
+def one_data_line(chunk: bytes) -> bytes | None:
+    """The data of ``chunk`` when it is exactly one event of one ``data:`` line with LF
+    endings (a streamed token, mostly), else None: what ``SSEDecoder.feed`` makes the
+    event's ``data`` of, undecoded, for a decoder that holds nothing (``idle``)."""
+    if (chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+            and chunk.find(b"\n", 6) == len(chunk) - 2 and b"\r" not in chunk):
+        return chunk[6:-2]
+    return None
 
 
 def _find_lf_event_end(buffer: bytearray, start: int) -> tuple[int, int] | None:

@@ -194,9 +194,8 @@ class AffinityPlanner:
             self.pool.record_tokens(plan.slot, session.id, held)
             if self.parking is not None:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
-        occupants = self.pool.occupants()
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
-            len(occupants) - occupants.count(None))
+            self.pool.occupied)
 
     async def _decide(self, client: ClientRequest, namespace: str,
                       identity: ExplicitIdentity | None, backend: Backend,

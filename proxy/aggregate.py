@@ -101,12 +101,21 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
     what a turn commits (``Codec.reply``), read at the end of every chat generation, so
     nothing else of a chunk (its envelope, logprobs) is folded. None without a choice."""
     choices: dict[int, _Choice] = {}
+    first: _Choice | None = None  # choice 0's, once a plain chunk named it
+    chunk = FrameKind.CHUNK
     for frame in frames:
-        if frame.kind is not FrameKind.CHUNK:
+        if frame.kind is not chunk:
             continue
-        if frame.delta_field is not None and frame.delta_text is not None:
-            # its adapter read the one text field of choice 0's delta: no parse
-            _state_at(choices, 0, True)._fold_field(frame.delta_field, frame.delta_text)
+        field, text = frame.delta_field, frame.delta_text
+        if field is not None and text is not None:
+            # its adapter read the one text field of choice 0's delta: no parse (and, for
+            # the bulk of a reply, the content pieces collected here without a call each)
+            if first is None:
+                first = _state_at(choices, 0, True)
+            if field == "content" and first.content is not None:
+                first.content.append(text)
+            else:
+                first._fold_field(field, text)
             continue
         data = frame.data
         listed = data.get("choices") if data is not None else None

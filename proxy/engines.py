@@ -103,7 +103,11 @@ def http_client(settings: Settings, url: str,
     (``adapters._http.EngineKey``); a client's requests carry the client's credentials."""
     key = settings.engine_key_for(url)
     auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # Every connection that ends a request well is kept for the next (for httpx's 5 s
+    # keep-alive): there are never more than requests ran at once, one per engine slot and
+    # the probes. A cap below the slots (it was 64) closed a quarter of the connections
+    # at 256 streams, and each new one cost a connect and a teardown on both sides.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     if transport is None:
         # httptools' parser under httpx for plain-HTTP engines (adapters._h1): an engine's
         # streamed answer is read at a fraction of h11's cost per event.

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from core.errors import openai_error
+from proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter, WriteBatch
 
 # Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -45,12 +46,22 @@ def _bounded_httptools_protocol() -> type[Any]:
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Counts the bytes of each request head (request line and headers) as they
-        arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed."""
+        arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed. Its
+        writes go out once per turn of the loop, and each request's scope carries a
+        writer of its streamed body's chunks (``proxy.client_writes``)."""
 
+        _write_batch: WriteBatch | None = None  # this server's, on its loop
         _in_head = True
         _head_bytes = 0
         _tail = b""  # the last bytes of a head so far: its end may straddle two reads
         _refused = False
+
+        def connection_made(self, transport: Any) -> None:
+            cls = type(self)
+            batch = cls._write_batch
+            if batch is None or batch.loop is not self.loop:
+                batch = cls._write_batch = WriteBatch(self.loop)
+            super().connection_made(BatchedTransport(transport, batch))
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -76,6 +87,10 @@ def _bounded_httptools_protocol() -> type[Any]:
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes, self._tail = False, 0, b""
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+                extensions[BODY_WRITER] = ChunkedBodyWriter(cycle).write
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

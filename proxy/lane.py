@@ -74,4 +74,4 @@ class Lane:
         pool = self.service.pool
         if pool is None:
             return Load(self.slots, len(self.service.generations), 0)
-        return Load(len(pool.entries), sum(1 for e in pool.entries if e.busy), pool.waiting)
+        return Load(len(pool.entries), pool.busy, pool.waiting)

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import orjson
+
 LOGGER_NAME = "prefixpin"
 
 
@@ -18,7 +20,8 @@ def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
 
 
-# One encoder for every line (``json.dumps`` with options builds a new one per call).
+# The standard library's encoder for a line orjson refuses (a key that is not a string, an
+# integer past 64 bits): one for every such line (``json.dumps`` builds one per call).
 _ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)
 
 
@@ -34,7 +37,10 @@ class JSONFormatter(logging.Formatter):
             line.update(fields)
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return _ENCODER.encode(line)
+        try:  # orjson: two lines a request, a sixth of the standard library's cost each
+            return orjson.dumps(line, default=str).decode()
+        except TypeError:
+            return _ENCODER.encode(line)
 
 
 def configure(level: str) -> None:

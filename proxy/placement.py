@@ -23,27 +23,66 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
-from dataclasses import dataclass, field
-from operator import attrgetter
+from dataclasses import dataclass
 
 from core.errors import ProxyError, QueueTimeoutError
 from proxy.sessions import Kind
-
-_OCCUPANT = attrgetter("occupant")
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.
 IDLE_HALF_LIFE_S = 120.0
 SIDE_DISCOUNT = 0.1
 
 
-@dataclass(slots=True)
 class SlotEntry:
-    index: int
-    occupant: str | None = None  # session id whose history the slot holds
-    kind: Kind | None = None
-    tokens: int = 0
-    busy: bool = False
-    last_used: float = field(default_factory=time.monotonic)
+    """One engine slot as the proxy sees it. ``occupant`` (the session whose history the
+    slot holds) and ``busy`` are properties: the pool that owns the entry keeps its
+    indexes (who holds which slot, which slots are idle, how many are busy) from their
+    assignments, whoever makes them (the pool, parking, the Redis slot table), so that
+    placing a request reads them instead of scanning every slot (on a 256-slot engine
+    under load each scan was tens of microseconds of cache misses, several per request)."""
+
+    __slots__ = ("_busy", "_occupant", "_pool", "index", "kind", "last_used", "tokens")
+
+    def __init__(self, index: int, occupant: str | None = None, kind: Kind | None = None,
+                 tokens: int = 0, busy: bool = False, last_used: float | None = None, *,
+                 pool: SlotPool | None = None) -> None:
+        self.index = index
+        self._occupant = occupant
+        self.kind = kind
+        self.tokens = tokens
+        self._busy = busy
+        self.last_used = time.monotonic() if last_used is None else last_used
+        self._pool = pool
+
+    @property
+    def occupant(self) -> str | None:
+        return self._occupant
+
+    @occupant.setter
+    def occupant(self, occupant: str | None) -> None:
+        before = self._occupant
+        if occupant != before:
+            self._occupant = occupant
+            if self._pool is not None:
+                self._pool._moved(self, before)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @busy.setter
+    def busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            if self._pool is not None:
+                self._pool._leave_index(self)
+            self._busy = busy
+            if self._pool is not None:
+                self._pool._enter_index(self)
+
+    def detached(self) -> SlotEntry:
+        """A copy no pool owns (a scratch entry: its changes move no index)."""
+        return SlotEntry(self.index, self._occupant, self.kind, self.tokens, self._busy,
+                         self.last_used)
 
     def worth(self, now: float) -> float:
         """What keeping this slot's history is worth (tokens not re-prefilled, discounted;
@@ -51,6 +90,11 @@ class SlotEntry:
         idle = max(0.0, now - self.last_used)
         value = self.tokens * IDLE_HALF_LIFE_S / (IDLE_HALF_LIFE_S + idle)
         return value * (SIDE_DISCOUNT if self.kind == "side" else 1.0)
+
+    def __repr__(self) -> str:
+        return (f"SlotEntry(index={self.index}, occupant={self._occupant!r}, "
+                f"kind={self.kind!r}, tokens={self.tokens}, busy={self._busy}, "
+                f"last_used={self.last_used})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,24 +205,85 @@ class _Queued:
 
 class SlotPool:
     def __init__(self, n_slots: int, *, on_evict: Evictor | None = None) -> None:
-        self.entries = [SlotEntry(i) for i in range(n_slots)]
+        self.entries: list[SlotEntry] = []
+        self._new_entries(n_slots)
         self._changed = asyncio.Condition()
         self._on_evict = on_evict
         self.waiting = 0
         self.last_eviction: float | None = None  # when a slot last changed hands (monotonic)
         self._known: set[int] = set()  # slots whose contents the proxy put there
 
+    # ------------------------------------------------------------ the indexes
+
+    def _new_entries(self, n_slots: int) -> None:
+        for entry in self.entries:
+            entry._pool = None  # an entry let go moves no index of this pool
+        self.entries = [SlotEntry(i, pool=self) for i in range(n_slots)]
+        self._holders: dict[str, list[SlotEntry]] = {}  # occupant -> its slots (one, mostly)
+        self._idle_empty: set[int] = set(range(n_slots))  # idle slots holding nothing
+        self._idle_held: dict[int, SlotEntry] = {}  # idle slots holding a history
+        self._n_busy = 0
+        self._n_occupied = 0
+
+    def _moved(self, entry: SlotEntry, before: str | None) -> None:
+        """``entry.occupant`` changed from ``before`` (called by the entry)."""
+        if before is not None:
+            held = self._holders[before]
+            held.remove(entry)
+            if not held:
+                del self._holders[before]
+            self._n_occupied -= 1
+        occupant = entry._occupant
+        if occupant is not None:
+            self._holders.setdefault(occupant, []).append(entry)
+            self._n_occupied += 1
+        if not entry._busy and (before is None) != (occupant is None):
+            # An idle slot filled or emptied: from one idle index to the other.
+            if occupant is None:
+                del self._idle_held[entry.index]
+                self._idle_empty.add(entry.index)
+            else:
+                self._idle_empty.discard(entry.index)
+                self._idle_held[entry.index] = entry
+
+    def _leave_index(self, entry: SlotEntry) -> None:
+        """Before ``entry.busy`` flips (called by the entry)."""
+        if entry._busy:
+            self._n_busy -= 1
+        elif entry._occupant is None:
+            self._idle_empty.discard(entry.index)
+        else:
+            self._idle_held.pop(entry.index, None)
+
+    def _enter_index(self, entry: SlotEntry) -> None:
+        """After ``entry.busy`` flipped (called by the entry)."""
+        if entry._busy:
+            self._n_busy += 1
+        elif entry._occupant is None:
+            self._idle_empty.add(entry.index)
+        else:
+            self._idle_held[entry.index] = entry
+
     def holder_of(self, session_id: str) -> int | None:
-        # Once per request, over every slot (256 on a big engine): the scan in C.
-        try:
-            position = self.occupants().index(session_id)
-        except ValueError:
+        """The slot holding ``session_id``'s history (the first, should two)."""
+        held = self._holders.get(session_id)
+        if not held:
             return None
-        return self.entries[position].index
+        return held[0].index if len(held) == 1 else min(entry.index for entry in held)
 
     def occupants(self) -> list[str | None]:
-        """Each slot's occupant, in slot order (read in one C-level pass)."""
-        return list(map(_OCCUPANT, self.entries))
+        """Each slot's occupant, in slot order."""
+        return [entry.occupant for entry in self.entries]
+
+    @property
+    def occupied(self) -> int:
+        """How many slots hold a history."""
+        return self._n_occupied
+
+    @property
+    def busy(self) -> int:
+        """How many slots are leased."""
+        return self._n_busy
 
     def forget(self, session_id: str) -> None:
         for entry in self.entries:
@@ -193,7 +298,7 @@ class SlotPool:
 
     def resize(self, n_slots: int) -> None:
         """The engine came back with another slot count (only called between requests)."""
-        self.entries = [SlotEntry(i) for i in range(n_slots)]
+        self._new_entries(n_slots)
 
     def would_wait(self, want: Want) -> bool:
         """No slot for ``want`` is free now (as this pool's copy sees it): ``_choose`` would
@@ -202,7 +307,7 @@ class SlotPool:
             own = self.entries[want.preferred]
             if own.occupant == want.session_id:
                 return own.busy
-        return all(entry.busy for entry in self.entries)
+        return self._n_busy == len(self.entries)
 
     def known(self, slot: int) -> bool:
         return slot in self._known
@@ -233,7 +338,8 @@ class SlotPool:
                 and time.monotonic() - self.last_eviction < within_s)
 
     def others_busy(self, slot: int) -> bool:
-        return any(e.busy for e in self.entries if e.index != slot)
+        own = 0 <= slot < len(self.entries) and self.entries[slot].busy
+        return self._n_busy - own > 0
 
     @asynccontextmanager
     async def holding(self, slot: int, session_id: str) -> AsyncIterator[SlotEntry | None]:
@@ -293,19 +399,17 @@ class SlotPool:
             own = self.entries[want.preferred]
             if own.occupant == want.session_id:
                 return None if own.busy else own
-        # One pass: the first empty slot at once, else the cheapest victim among the idle:
-        # the least ``worth``, then the least recently used, the first of equals (``min``
-        # over (worth, last_used), written out and without a list of the idle: on a full
-        # 256-slot engine this loop is most of what placing a request costs).
+        # The first empty idle slot, else the cheapest victim among the idle: the least
+        # ``worth``, then the least recently used, the first of equals (``min`` over
+        # (worth, last_used, slot), written out). Read from the idle indexes: on a full
+        # engine under load most slots are busy, and none of them is touched.
+        if self._idle_empty:
+            return self.entries[min(self._idle_empty)]
         now = time.monotonic()
         half_life = IDLE_HALF_LIFE_S
         best: SlotEntry | None = None
         best_worth = best_used = 0.0
-        for entry in self.entries:
-            if entry.busy:
-                continue
-            if entry.occupant is None:
-                return entry  # the first empty slot
+        for entry in self._idle_held.values():
             used = entry.last_used
             idle_s = now - used
             if idle_s < 0.0:
@@ -313,7 +417,8 @@ class SlotPool:
             worth = entry.tokens * half_life / (half_life + idle_s)
             if entry.kind == "side":
                 worth *= SIDE_DISCOUNT
-            if best is None or worth < best_worth or (worth == best_worth and used < best_used):
+            if best is None or worth < best_worth or (worth == best_worth and (
+                    used < best_used or (used == best_used and entry.index < best.index))):
                 best, best_worth, best_used = entry, worth, used
         return best
 

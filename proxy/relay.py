@@ -21,11 +21,12 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Message, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from adapters.base import Progress
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
+from proxy.client_writes import BODY_WRITER
 from proxy.codecs import Codec, codec_of
 from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
 from proxy.generation import Generation, Subscriber
@@ -102,6 +103,8 @@ class LiveStream(StreamResponse):
         self._heartbeat_s = heartbeat_s
         self._on_heartbeat = on_heartbeat
         self._send: Send | None = None
+        # The server's plain writer of a body chunk, where it has one (``send`` otherwise).
+        self._write_body: Callable[[bytes], bool] | None = None
         self._asleep = False  # changes write this client's frames only while it sleeps
         self._waiter: asyncio.Future[bool] | None = None
         self._handed: tuple[Generator[Any, Any, Any], Any] | None = None  # a send waiting
@@ -109,6 +112,10 @@ class LiveStream(StreamResponse):
         self._quiet_until = 0.0  # the next heartbeat is due then, unless something is sent
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._write_body = (scope.get("extensions") or {}).get(BODY_WRITER)
+        await super().__call__(scope, receive, send)
 
     async def write(self, send: Send) -> None:
         subscriber, generation, codec = self._subscriber, self._generation, self._codec
@@ -138,7 +145,7 @@ class LiveStream(StreamResponse):
     async def _follow(self, send: Send) -> None:
         """Until the generation is answered and this client has all of it."""
         subscriber, generation = self._subscriber, self._generation
-        encode, monotonic = self._encode.encode, time.monotonic
+        encode, monotonic, write_body = self._encode.encode, time.monotonic, self._write_body
         self._quiet_until = monotonic() + self._heartbeat_s
         while True:
             if self._handed is not None:
@@ -148,7 +155,8 @@ class LiveStream(StreamResponse):
                 raise self._failed
             while frames := subscriber.take_ready(BATCH_FRAMES):  # while this task was busy
                 if out := encode(frames):
-                    await send(_body(out))
+                    if write_body is None or not write_body(out):
+                        await send(_body(out))
                     self._quiet_until = monotonic() + self._heartbeat_s
             if generation.answered:
                 return
@@ -164,6 +172,7 @@ class LiveStream(StreamResponse):
         if not self._asleep:
             return
         send, subscriber, log = self._send, self._subscriber, self._generation.frames
+        write_body = self._write_body
         assert send is not None
         try:
             while subscriber.position < len(log):
@@ -171,6 +180,8 @@ class LiveStream(StreamResponse):
                 if not (out := self._encode.encode(frames)):
                     continue
                 self._quiet_until = time.monotonic() + self._heartbeat_s
+                if write_body is not None and write_body(out):
+                    continue  # written as ``send`` would have, without it
                 sending = send(_body(out)).__await__()
                 # Run the send: one that need not wait ends in this loop's first step
                 # (iterated, a coroutine that returns None raises no StopIteration: an

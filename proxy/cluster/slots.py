@@ -27,7 +27,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -156,8 +155,7 @@ class SharedSlotPool(SlotPool):
 
     async def load(self) -> Load:
         await self.recent()
-        busy = sum(1 for e in self.entries if e.busy)
-        return Load(len(self.entries), busy, self.waiting + self._queued_elsewhere)
+        return Load(len(self.entries), self.busy, self.waiting + self._queued_elsewhere)
 
     def record_tokens(self, slot: int, session_id: str, tokens: int) -> None:
         """Called from the (synchronous) commit: one round trip, occupant checked."""
@@ -230,7 +228,7 @@ class SharedSlotPool(SlotPool):
                         ) -> tuple[SlotEntry, Eviction | None, bool, str] | None:
         expected = entry.occupant or ""
         resident = entry.occupant == want.session_id
-        scratch = replace(entry)
+        scratch = entry.detached()
         eviction = self._take(scratch, want)
         token = self.cluster.token()
         result = await self._take_script(

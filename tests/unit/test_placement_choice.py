@@ -45,3 +45,48 @@ def test_the_choice_and_would_wait_are_those_of_the_lists(seed: int) -> None:
         want = Want(session, "main", preferred)
         assert pool._choose(want) is chosen_before(pool, want)
         assert pool.would_wait(want) == (chosen_before(pool, want) is None)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_indexes_agree_with_a_scan_after_any_changes(seed: int) -> None:
+    """Whatever assigns ``occupant`` and ``busy`` (the pool, parking, the Redis table), in
+    whatever order, the pool's indexes say what a scan of its slots says."""
+    rng = random.Random(seed)
+    pool = SlotPool(rng.choice((1, 3, 8)))
+    sessions = [f"s{i}" for i in range(4)]
+    for step in range(60):
+        if rng.random() < 0.03:
+            pool.resize(rng.choice((1, 3, 8)))
+        entry = rng.choice(pool.entries)
+        if rng.random() < 0.5:
+            entry.occupant = rng.choice((None, *sessions))
+        else:
+            entry.busy = not entry.busy
+        if rng.random() < 0.1:
+            pool.reset()
+        assert pool.busy == sum(e.busy for e in pool.entries), step
+        assert pool.occupied == sum(e.occupant is not None for e in pool.entries), step
+        for session in sessions:
+            assert pool.holder_of(session) == next(
+                (e.index for e in pool.entries if e.occupant == session), None), step
+        for slot in range(len(pool.entries)):
+            assert pool.others_busy(slot) == any(
+                e.busy for e in pool.entries if e.index != slot), step
+        want = Want(rng.choice(sessions), "main", None)
+        assert pool._choose(want) is chosen_before(pool, want), step
+
+
+def test_an_entry_let_go_by_a_resize_moves_no_index() -> None:
+    pool = SlotPool(2)
+    old = pool.entries[0]
+    pool.resize(2)
+    old.occupant, old.busy = "s1", True
+    assert (pool.busy, pool.occupied, pool.holder_of("s1")) == (0, 0, None)
+
+
+def test_a_detached_copy_moves_no_index() -> None:
+    pool = SlotPool(2)
+    scratch = pool.entries[1].detached()
+    scratch.occupant, scratch.busy = "s1", True
+    assert (pool.busy, pool.occupied, pool.holder_of("s1")) == (0, 0, None)
+    assert pool.entries[1].occupant is None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from adapters._llama_native import NativeClassifier
-from adapters._openai_sse import classify
+from adapters._openai_sse import classify, classify_whole
 from core.errors import UpstreamProtocolError
 from core.figures import figures_from
 from core.frames import Frame, FrameKind
@@ -216,10 +216,12 @@ def test_the_plain_chunk_path_makes_the_frame_the_general_path_makes(
     raw = event({**ENVELOPE, **payload})
     (sse,) = SSEDecoder().feed(raw)
     data = json.loads(sse.data)
-    general = _classify_object(sse, sse.data, data)
-    fast = _plain_text_chunk(sse, sse.data, data)
+    general = _classify_object(sse.raw, sse.data, data)
+    fast = _plain_text_chunk(sse.raw, sse.data, data)
     chosen = classify(sse)
-    for frame in [f for f in (fast, chosen) if f is not None]:
+    whole = classify_whole(raw)  # the read, never decoded into an event
+    assert whole is not None
+    for frame in [f for f in (fast, chosen, whole) if f is not None]:
         assert (frame.kind, frame.raw, frame.data, frame.progress, frame.has_output,
                 frame.finish, frame.parsed, frame.figured, frame.delta_field,
                 frame.delta_text) == (
@@ -227,3 +229,53 @@ def test_the_plain_chunk_path_makes_the_frame_the_general_path_makes(
             general.finish, general.parsed, general.figured, general.delta_field,
             general.delta_text)
     assert (fast is not None) == (shape < 6)  # (False == 0 == 0.0: compared by position)
+
+
+WHOLE_READS = [
+    *STREAM,
+    chunk({"content": "caf\u00e9 \u2603"}),  # not ASCII: orjson reads the bytes
+    b'data: {"error":{"message":"boom","code":500}}\n\n',
+    b"data: [DONE]\n\n",
+    b"data:  [DONE]  \n\n",
+    b"data: \n\n",
+    b": ping\n\n",
+    b'event: error\ndata: {"error":"x"}\n\n',
+    b'data: {"a":1}\r\n\r\n',  # CR endings
+    b'data: {"a":1}\n\ndata: {"b":2}\n\n',  # two events
+    b'data: {"a":1}\n',  # no end
+    b'data: {"a":1}\ndata: {"b":2}\n\n',  # two data lines
+    b"data: [1,2]\n\n",  # not an object
+    b'data: {"a":NaN}\n\n',  # orjson refuses; the standard library reads it
+    b'data: {"a":1\n\n',  # not JSON
+    b'data: {"a":"\xff"}\n\n',  # not UTF-8
+    b'data:{"a":1}\n\n',  # no space after the colon
+]
+
+
+@pytest.mark.parametrize("read", WHOLE_READS)
+def test_a_whole_read_is_classified_as_the_decoder_and_classify_would(read: bytes) -> None:
+    """``classify_whole`` either makes the frame the decoder's one event would give
+    (``classify``), or declines (None) and leaves the read to that path."""
+    def general() -> Frame | BaseException:
+        try:
+            (sse,) = SSEDecoder().feed(read)
+            return classify(sse)
+        except (ValueError, UpstreamProtocolError) as exc:
+            return exc
+
+    whole = classify_whole(read)
+    if whole is None:
+        return
+    frame = general()
+    assert isinstance(frame, Frame)
+    assert (whole.kind, whole.raw, whole.data, whole.progress, whole.has_output,
+            whole.finish, whole.parsed, whole.figured, whole.delta_field,
+            whole.delta_text) == (
+        frame.kind, frame.raw, frame.data, frame.progress, frame.has_output,
+        frame.finish, frame.parsed, frame.figured, frame.delta_field, frame.delta_text)
+
+
+def test_the_whole_read_path_takes_the_token_chunk() -> None:
+    assert classify_whole(chunk({"content": "Hel"})) is not None
+    assert classify_whole(b"data: [DONE]\n\n") is None
+    assert classify_whole(b'data: {"a":1}\r\n\r\n') is None

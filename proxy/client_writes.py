@@ -1,0 +1,163 @@
+"""How the tenant listener writes to its clients: gathered over one turn of the event loop
+and sent at its end (``BatchedTransport``), and a streamed body's chunks written without an
+ASGI ``send`` each (``ChunkedBodyWriter``).
+
+A relayed event is written to its client from the engine connection's read
+(``proxy.relay.LiveStream``); left alone, each of those writes is a ``write`` syscall at
+once. On one machine that also wakes the client's process once per event: the relay's
+writes are spread over the turn (an event's Python runs between two of them), so a client
+that reads quickly has gone back to sleep before the next one. Measured at 256 streams
+(``bench/results/load/PROFILE.md``): the load client switched context 0.55 times per event
+through prefixpin against 0.11 directly, and waking it was most of the proxy's kernel time.
+
+Here a client connection's transport keeps what is written during a turn and the loop
+sends every connection's bytes in one pass at the end of it (``call_soon``: after the
+turn's reads have all been handled): one syscall per connection per turn (a response's
+head and its first bytes, two events of one read, the last event and the chunked
+terminator each share one), and the writes of a turn arrive together. What it costs is at
+most the rest of that turn before a byte leaves: under load the turn that read an event is
+a few milliseconds long; on an idle proxy it is the event's own handling.
+
+Everything but ``write`` goes to the socket's transport as it is, after the bytes kept
+(``close``, ``write_eof``: the bytes first; ``abort``: dropped with the connection; the
+buffer size counts them). Flow control stays the socket's: its ``pause_writing`` reaches
+the protocol when a flush fills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+# The scope extension holding a request's ``ChunkedBodyWriter.write`` (on the httptools
+# protocol of ``proxy.http_limits``; absent elsewhere: h11, another server, tests' ASGI
+# transports).
+BODY_WRITER = "prefixpin.body_writer"
+
+
+class WriteBatch:
+    """The connections of one loop that have bytes waiting, flushed once per turn."""
+
+    __slots__ = ("_waiting", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._waiting: list[BatchedTransport] = []
+
+    def add(self, transport: BatchedTransport) -> None:
+        if not self._waiting:
+            self.loop.call_soon(self.flush)
+        self._waiting.append(transport)
+
+    def flush(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for transport in waiting:
+            transport.flush()
+
+
+class BatchedTransport(asyncio.Transport):
+    """A socket transport whose writes wait for the end of the loop's turn."""
+
+    def __init__(self, transport: asyncio.Transport, batch: WriteBatch) -> None:
+        super().__init__()
+        self._transport = transport
+        self._batch = batch
+        self._kept: list[bytes] = []
+        self._kept_bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        kept = self._kept
+        if not kept:
+            if self._transport.is_closing():
+                self._transport.write(data)  # the socket's own answer to a late write
+                return
+            self._batch.add(self)
+        kept.append(bytes(data) if type(data) is not bytes else data)
+        self._kept_bytes += len(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def flush(self) -> None:
+        """Send what was kept (called by the batch at the end of the turn, and before the
+        socket is closed or half-closed)."""
+        kept = self._kept
+        if not kept:
+            return
+        self._kept, self._kept_bytes = [], 0
+        self._transport.write(kept[0] if len(kept) == 1 else b"".join(kept))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._kept, self._kept_bytes = [], 0
+        self._transport.abort()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_write_buffer_size(self) -> int:
+        return self._kept_bytes + self._transport.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
+class ChunkedBodyWriter:
+    """One response's body chunks, written as uvicorn's ``send`` writes them, without it.
+
+    ``write(body)`` does what ``send({"type": "http.response.body", "body": body,
+    "more_body": True})`` does on a started chunked response (the chunk's size line, the
+    bytes, CRLF, to the transport), as a plain call: the relay writes one per event from
+    the engine connection's read, and a coroutine made, run and finished per event, with
+    its message dict and checks, was the largest part of that write's Python. It returns
+    False, having written nothing, whenever ``send`` must be used instead: the response
+    not started or not chunked (a HEAD, a content length), complete, the client gone, the
+    socket's buffer over its high-water mark (``send`` waits for it to drain), or an empty
+    body. The state it reads is the request cycle's own (uvicorn's
+    ``RequestResponseCycle``), so both ways of writing stay one response.
+    """
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (cycle.chunked_encoding is not True or cycle.response_complete
+                or cycle.disconnected or cycle.flow.write_paused or not body):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
