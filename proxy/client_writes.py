@@ -14,9 +14,11 @@ Here a client connection's transport keeps what is written during a turn and the
 sends every connection's bytes in one pass at the end of it (``call_soon``: after the
 turn's reads have all been handled): one syscall per connection per turn (a response's
 head and its first bytes, two events of one read, the last event and the chunked
-terminator each share one), and the writes of a turn arrive together. What it costs is at
-most the rest of that turn before a byte leaves: under load the turn that read an event is
-a few milliseconds long; on an idle proxy it is the event's own handling.
+terminator each share one), and the writes of a turn arrive together. What it costs is the
+rest of that turn before a byte leaves, at most ``HOLD_S`` once other connections write
+(a turn that plans a burst of new requests is long, and the flush queued behind its task
+steps would wait for all of them): under load the turn that read an event is a few
+milliseconds long; on an idle proxy it is the event's own handling.
 
 Everything but ``write`` goes to the socket's transport as it is, after the bytes kept
 (``close``, ``write_eof``: the bytes first; ``abort``: dropped with the connection; the
@@ -27,8 +29,13 @@ the protocol when a flush fills it.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+# The longest a byte is kept when the turn goes on (checked as other connections write):
+# a turn that reads engine events is a few milliseconds even at hundreds of streams, one
+# that plans a burst of new requests can be tens.
+HOLD_S = 0.002
 # The scope extension holding a request's ``ChunkedBodyWriter.write`` (on the httptools
 # protocol of ``proxy.http_limits``; absent elsewhere: h11, another server, tests' ASGI
 # transports).
@@ -36,23 +43,42 @@ BODY_WRITER = "prefixpin.body_writer"
 
 
 class WriteBatch:
-    """The connections of one loop that have bytes waiting, flushed once per turn."""
+    """The connections of one loop that have bytes waiting, flushed at the end of the
+    loop's turn, or sooner once the first of them has waited ``HOLD_S``."""
 
-    __slots__ = ("_waiting", "loop")
+    __slots__ = ("_deadline", "_scheduled", "loop", "waiting")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._waiting: list[BatchedTransport] = []
+        # The connections with bytes kept, in the order of their first write this turn.
+        self.waiting: list[BatchedTransport] = []
+        self._scheduled = False
+        self._deadline = 0.0
 
-    def add(self, transport: BatchedTransport) -> None:
-        if not self._waiting:
-            self.loop.call_soon(self.flush)
-        self._waiting.append(transport)
+    def join(self, transport: BatchedTransport) -> None:
+        """``transport`` has bytes to send (its first write since it was flushed)."""
+        waiting = self.waiting
+        if not waiting:
+            if not self._scheduled:
+                self._scheduled = True
+                self.loop.call_soon(self._end_of_turn)
+            self._deadline = time.monotonic() + HOLD_S
+        elif time.monotonic() >= self._deadline:
+            # A long turn (a burst of new requests, each planned in its task's step): the
+            # bytes kept so far leave now, not after every step queued before the flush.
+            self.flush()
+            self._deadline = time.monotonic() + HOLD_S
+        waiting.append(transport)
+
+    def _end_of_turn(self) -> None:
+        self._scheduled = False
+        self.flush()
 
     def flush(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for transport in waiting:
+        waiting = self.waiting
+        for transport in waiting:  # (one that writes meanwhile is appended: flushed too)
             transport.flush()
+        waiting.clear()
 
 
 class BatchedTransport(asyncio.Transport):
@@ -67,11 +93,11 @@ class BatchedTransport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         kept = self._kept
-        if not kept:
+        if not kept:  # this turn's first write: this connection waits for the flush
             if self._transport.is_closing():
                 self._transport.write(data)  # the socket's own answer to a late write
                 return
-            self._batch.add(self)
+            self._batch.join(self)
         kept.append(bytes(data) if type(data) is not bytes else data)
         self._kept_bytes += len(data)
 

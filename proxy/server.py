@@ -59,6 +59,11 @@ def serve(settings: Settings) -> int:
     # (bench/results/load/PROFILE.md: added p99 first event at 256 streams 40-71 -> 14-22 ms,
     # ~4% less CPU per event, +7 MiB RSS).
     gc.set_threshold(*GC_THRESHOLDS)
+    # The fingerprint tokenizes one text at a time: Hugging Face tokenizers' batch call
+    # hands even one text to its thread pool, and the hand-off and the wake-ups cost more
+    # than the text's tokens under load (bench/results/load/PROFILE.md). A value the user
+    # set stands.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with contextlib.suppress(KeyboardInterrupt), event_loop() as runner:
         runner.run(serve_both(tenant, operator))
         for caught in reversed(tenant.caught):
