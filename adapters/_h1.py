@@ -68,16 +68,25 @@ class H1Transport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if not self._serves(request):
             return await self._fallback.handle_async_request(request)
+        timeouts: dict[str, float | None] = request.extensions.get("timeout") or {}
+        return await self.exchange(request.method, request.url, request.headers.raw,
+                                   request.content, timeouts, request)
+
+    async def exchange(self, method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]],
+                       content: bytes, timeouts: dict[str, float | None],
+                       request: httpx.Request | None = None) -> httpx.Response:
+        """The request from its parts (a plain-HTTP URL; ``headers`` as they go on the
+        wire, Host and Content-Length included), its response with the body to stream.
+        ``request``: the httpx request it is, named by the errors (none for
+        ``adapters._http.EngineClient.open``, which sends without one)."""
         if self._closed:
             raise RuntimeError("the transport is closed")
-        timeouts: dict[str, float | None] = request.extensions.get("timeout") or {}
-        url = request.url
         key = (url.host, url.port or 80)
         connection = self._take_idle(key)
         if connection is None:
             connection = await _connect(key, timeouts.get("connect"), request)
         try:
-            connection.send(request)
+            connection.send(method, url.raw_path, headers, content, request)
             if connection.write_paused:
                 await connection.drain(timeouts.get("write"), request)
             await connection.head(timeouts.get("read"))
@@ -124,7 +133,7 @@ class H1Transport(httpx.AsyncBaseTransport):
 
 
 async def _connect(key: tuple[str, int], timeout_s: float | None,
-                   request: httpx.Request) -> _Connection:
+                   request: httpx.Request | None) -> _Connection:
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
@@ -182,20 +191,21 @@ class _Connection(asyncio.Protocol):
                 and not self._transport.is_closing()
                 and (expiry is None or now - self.idle_since < expiry))
 
-    def send(self, request: httpx.Request) -> None:
+    def send(self, method: str, raw_path: bytes, headers: list[tuple[bytes, bytes]],
+             content: bytes, request: httpx.Request | None) -> None:
         assert self._transport is not None
         self._reset()
         self._in_request = True
         self._request = request
-        parts = [request.method.encode(), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
-        for name, value in request.headers.raw:
+        parts = [method.encode(), b" ", raw_path, b" HTTP/1.1\r\n"]
+        for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         parts.append(b"\r\n")
-        if body := request.content:  # a ByteStream's bytes (``H1Transport._serves``)
-            parts.append(body)
+        if content:
+            parts.append(content)
         self._transport.write(b"".join(parts))
 
-    async def drain(self, timeout_s: float | None, request: httpx.Request) -> None:
+    async def drain(self, timeout_s: float | None, request: httpx.Request | None) -> None:
         while self.write_paused and not self._lost:
             waiter = self._drain_waiter = self._loop.create_future()
             try:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from adapters._http import (
+    EngineClient,
     decoded_frames,
     encode_json,
     expect_media_type,
@@ -106,10 +107,13 @@ class LlamaServerAdapter:
     async def open_stream(self, call: UpstreamCall) -> AsyncIterator[_LlamaStream]:
         what = f"POST {call.path}"
         with map_httpx_errors(what):
-            request = self.http.build_request(
-                "POST", self._url(call.path), content=encode_json(call.body),
-                headers=_header_bytes({**call.headers, "content-type": "application/json"}))
-            response = await send_with_stale_retry(self.http, request)
+            url, content = self._url(call.path), encode_json(call.body)
+            headers = _header_bytes({**call.headers, "content-type": "application/json"})
+            if isinstance(self.http, EngineClient):
+                response = await self.http.open("POST", url, content=content, headers=headers)
+            else:
+                request = self.http.build_request("POST", url, content=content, headers=headers)
+                response = await send_with_stale_retry(self.http, request)
         classify_event = (NativeClassifier(prompt_count(call.path, call.body))
                           if call.path in NATIVE_PATHS else classify)
         try:

@@ -13,8 +13,17 @@ default; forked per round, both started at the same instant): a client shared by
 (``--clients shared``, what this bench did first) is woken by either proxy's writes, which
 hides what one proxy's way of writing costs the kernel (``proxy.client_writes``).
 
+Two proxies at once is not the load either tree serves alone, though: what one proxy
+costs the kernel depends on how often its client sleeps, which the other proxy changes.
+``--mode alternate`` measures each tree alone under all the streams, as ``bench/load.py``
+does (fresh fake, proxy and client per run, one round of ``--waves`` requests per
+stream), the trees taking turns (the order flipping every round), and divides each run's
+proxy CPU per event by the fake's in the same run: the fake's code is the same in every
+run, so its cost is the machine's speed at that moment, and the ratio is what the tree
+costs at a given speed.
+
     python bench/load_versus.py BEFORE_TREE AFTER_TREE [--rounds 8] [--streams 256]
-                                [--clients separate|shared]
+                                [--clients separate|shared] [--mode together|alternate]
 
 A tree is a directory holding ``proxy/cli.py`` (a ``git worktree``; this checkout is
 ``.``). The absolute figures are not ``bench/load.py``'s (two proxies share the cores):
@@ -127,6 +136,48 @@ def rounds(procs: dict[str, tuple[int, int]], plan: load.Plan, warm: load.Plan,
     return out
 
 
+def alternate(trees: dict[str, Tree], model: str, plan: load.Plan, warm: load.Plan,
+              count: int, logs: Path) -> dict[str, dict[str, list[float]]]:
+    """Each tree alone under ``plan``, the trees taking turns: per run, the proxy's and
+    the fake's CPU per event the client checked."""
+    out: dict[str, dict[str, list[float]]] = {
+        n: {"cpu": [], "user": [], "fake": []} for n in trees}
+    names = list(trees)
+    for index in range(1, count + 1):
+        for name in names if index % 2 else names[::-1]:
+            setup = load.Setup(model, trees[name], [], 2.0, logs)
+            with load.engines(setup, f"{name}-{index}", plan.streams, plan) as (ports, pids, _):
+                port = ports["proxy"]
+                load.run_async(load.run_round(port, warm, warm.requests("warm", 0)))
+                gc.collect()
+                gc.disable()
+                proxy0, user0 = load.cpu_seconds(pids["proxy"]), user_seconds(pids["proxy"])
+                fake0 = load.cpu_seconds(pids["fake"])
+                streams = load.run_async(load.run_round(port, plan, plan.requests(name, index)))
+                time.sleep(0.5)  # the work after the last byte counts
+                events = checked_events(streams, name)
+                out[name]["cpu"].append((load.cpu_seconds(pids["proxy"]) - proxy0) / events * 1e6)
+                out[name]["user"].append((user_seconds(pids["proxy"]) - user0) / events * 1e6)
+                out[name]["fake"].append((load.cpu_seconds(pids["fake"]) - fake0) / events * 1e6)
+                gc.enable()
+            print(f"round {index}: {name} {out[name]['cpu'][-1]:.1f} µs/event, the fake "
+                  f"{out[name]['fake'][-1]:.1f}", flush=True)
+    return out
+
+
+def report_alternate(result: dict[str, dict[str, list[float]]], names: list[str]) -> None:
+    first = names[0]
+    ratios = {n: [c / f for c, f in zip(result[n]["cpu"], result[n]["fake"], strict=True)]
+              for n in names}
+    for name in names:
+        print(f"{name}: median {statistics.median(result[name]['cpu']):.1f} µs/event (user "
+              f"{statistics.median(result[name]['user']):.1f}), the fake "
+              f"{statistics.median(result[name]['fake']):.1f}; proxy / fake: median "
+              f"{statistics.median(ratios[name]):.2f}, runs "
+              f"{[round(r, 2) for r in ratios[name]]}; to {first}'s: "
+              f"{statistics.median(ratios[name]) / statistics.median(ratios[first]):.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs=2)
@@ -135,11 +186,29 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=100)
     parser.add_argument("--token-delay-ms", type=float, default=20.0)
     parser.add_argument("--clients", choices=("separate", "shared"), default="separate")
+    parser.add_argument("--mode", choices=("together", "alternate"), default="together")
+    parser.add_argument("--waves", type=int, default=3,
+                        help="requests per stream in a round (--mode alternate)")
     args = parser.parse_args()
     names = [Path(t).resolve().name or t for t in args.trees]
     if names[0] == names[1]:
         names = ["first", "second"]
     model = load.resolve_model("auto")
+    if args.mode == "alternate":
+        logs = Path(os.environ.get("TMPDIR", "/tmp")) / "prefixpin-load-versus"
+        logs.mkdir(exist_ok=True)
+        whole = load.Plan(args.streams, args.waves, args.events, args.token_delay_ms,
+                          together=False, fresh=False, timeout_s=120)
+        warm_up = load.Plan(16, 1, 4, args.token_delay_ms, together=True, fresh=False,
+                            timeout_s=60)
+        trees = {name: tree_of(path) for name, path in zip(names, args.trees, strict=True)}
+        result_alone = alternate(trees, model, whole, warm_up, args.rounds, logs)
+        print()
+        print("\n".join(host_lines()))
+        print(f"- alternate: each tree alone, {args.streams} streams x {args.waves} requests "
+              f"of {args.events} tokens, {args.rounds} runs per tree")
+        report_alternate(result_alone, names)
+        return 0
     half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,
                      fresh=False, timeout_s=60)
     warm = load.Plan(16, 1, 4, args.token_delay_ms, together=True, fresh=False, timeout_s=60)

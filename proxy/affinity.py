@@ -103,8 +103,10 @@ class AffinityPlanner:
         as_planned = decision.body is None or decision.body is planned
         preferred = self.pool.holder_of(session.id)
         notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
-                                 "reason": session.last_reason, "namespace": namespace,
-                                 "upstream": backend.label}
+                                 "reason": session.last_reason, "kind": session.kind,
+                                 "namespace": namespace, "upstream": backend.label}
+        if session.key is not None:
+            notes["key"] = session.key
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
@@ -375,8 +377,10 @@ class AffinityPlanner:
             self.metrics.repairs.labels(repair.policy).inc()
             log_event(self.log, logging.INFO, "repair", session=decision.session.id,
                       policy=repair.policy, index=repair.index, detail=repair.detail)
-        if self.log.isEnabledFor(logging.INFO):
-            log_event(self.log, logging.INFO, "affinity", tier=decision.tier, decision=label,
+        # The request's own line says all of this (``plan.notes``) when it ends: this one,
+        # at the decision, only for a closer look (one line a request, not two).
+        if self.log.isEnabledFor(logging.DEBUG):
+            log_event(self.log, logging.DEBUG, "affinity", tier=decision.tier, decision=label,
                       session=decision.session.id, key=decision.session.key,
                       kind=decision.session.kind, reason=decision.session.last_reason,
                       upstream=upstream)

@@ -22,8 +22,11 @@ milliseconds long; on an idle proxy it is the event's own handling.
 
 Everything but ``write`` goes to the socket's transport as it is, after the bytes kept
 (``close``, ``write_eof``: the bytes first; ``abort``: dropped with the connection; the
-buffer size counts them). Flow control stays the socket's: its ``pause_writing`` reaches
-the protocol when a flush fills it.
+buffer size counts them). Bytes kept for a connection lost before the flush are dropped
+(its socket is closed: writing would raise, and nobody would read them), and one
+connection's failed write is reported to the loop, never in the way of the others'.
+Flow control stays the socket's: its ``pause_writing`` reaches the protocol when a flush
+fills it.
 """
 
 from __future__ import annotations
@@ -76,9 +79,16 @@ class WriteBatch:
 
     def flush(self) -> None:
         waiting = self.waiting
-        for transport in waiting:  # (one that writes meanwhile is appended: flushed too)
-            transport.flush()
-        waiting.clear()
+        try:
+            for transport in waiting:  # (one that writes meanwhile is appended: flushed too)
+                try:
+                    transport.flush()
+                except Exception as exc:  # one connection's: the others' bytes still go
+                    self.loop.call_exception_handler({
+                        "message": "a client write failed", "exception": exc,
+                        "transport": transport})
+        finally:
+            waiting.clear()
 
 
 class BatchedTransport(asyncio.Transport):
@@ -112,6 +122,8 @@ class BatchedTransport(asyncio.Transport):
         if not kept:
             return
         self._kept, self._kept_bytes = [], 0
+        if self._transport.is_closing():
+            return  # the connection went meanwhile (its loss closed the socket): nobody reads
         self._transport.write(kept[0] if len(kept) == 1 else b"".join(kept))
 
     def close(self) -> None:

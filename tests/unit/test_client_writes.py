@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import Any
 
+import httpx
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -222,3 +223,88 @@ def test_the_tenant_protocol_batches_and_carries_the_body_writer() -> None:
         assert len(socket.writes) == 1
 
     asyncio.run(run())
+
+
+class RaisingTransport(RecordingTransport):
+    """A socket whose write fails (what uvloop raises for a handle already closed)."""
+
+    def write(self, data: Any) -> None:
+        raise RuntimeError("unable to perform operation; the handler is closed")
+
+
+def test_bytes_for_a_connection_lost_before_the_flush_are_dropped() -> None:
+    async def run() -> None:
+        transport, socket, _ = batched()
+        transport.write(b"kept")
+        socket.closing = True  # the peer went: the socket's transport closed itself
+        transport.close()  # what uvicorn's connection_lost calls
+        await asyncio.sleep(0)
+        assert socket.writes == []
+        assert socket.calls == ["close"]
+
+    asyncio.run(run())
+
+
+def test_one_failed_write_leaves_the_other_connections_theirs() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+        batch = WriteBatch(loop)
+        broken = BatchedTransport(RaisingTransport(), batch)
+        healthy_socket = RecordingTransport()
+        healthy = BatchedTransport(healthy_socket, batch)
+        broken.write(b"a")
+        healthy.write(b"b")
+        await asyncio.sleep(0)
+        assert healthy_socket.writes == [b"b"]
+        assert [type(c["exception"]) for c in reported] == [RuntimeError]
+        healthy.write(b"c")  # the batch still flushes at the next turn's end
+        await asyncio.sleep(0)
+        assert healthy_socket.writes == [b"b", b"c"]
+
+    asyncio.run(run())
+
+
+def test_a_client_reset_mid_stream_leaves_the_other_streams_whole() -> None:
+    """Over TCP on the tenant protocol (uvloop): clients reset their connections while
+    their streams are written every turn; the stream beside them still gets every chunk
+    (its bytes are flushed in the same batches as the lost connections')."""
+    import socket
+    import struct
+
+    from proxy.client_writes import BODY_WRITER
+    from proxy.http_limits import http_options
+    from proxy.testing.servers import serve_in_thread
+
+    chunks = 400
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        write = scope["extensions"][BODY_WRITER]
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        for index in range(chunks):
+            body = b"data: %d\n\n" % index
+            if not write(body):
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await asyncio.sleep(0.001)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    with serve_in_thread(app, **http_options()) as url:
+        port = int(url.rsplit(":", 1)[1])
+        leaving = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+        for connection in leaving:
+            connection.sendall(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+        with httpx.Client(timeout=30) as client, client.stream("GET", url + "/b") as response:
+            received = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    received += 1
+                    if 20 <= received < 20 + len(leaving):  # one resets, every chunk
+                        connection = leaving[received - 20]
+                        assert connection.recv(1024)
+                        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                              struct.pack("ii", 1, 0))
+                        connection.close()
+        assert received == chunks

@@ -410,3 +410,111 @@ def test_the_engine_client_merges_headers_as_httpx_does(given: object) -> None:
                              headers=given)  # type: ignore[arg-type]
              for c in (ours, theirs)]
     assert built[0].headers.raw == built[1].headers.raw
+
+
+# ------------------------------------------------------------------ EngineClient.open
+
+OPEN_HEADERS = [
+    [(b"content-type", b"application/json")],
+    [(b"authorization", b"Bearer client-key"), (b"content-type", b"application/json"),
+     (b"x-session-id", b"s1"), (b"user-agent", b"agent/1.0")],
+    [(b"Accept", b"text/event-stream"), (b"content-type", b"application/json")],
+    [(b"host", b"engine.example"), (b"content-type", b"application/json")],
+    [(b"content-length", b"2"), (b"content-type", b"application/json")],
+]
+
+
+@pytest.mark.parametrize("headers", OPEN_HEADERS)
+def test_open_writes_the_request_httpx_writes(headers: list[tuple[bytes, bytes]]) -> None:
+    """The request ``EngineClient.open`` writes from its parts is byte for byte the one
+    httpx's client builds and sends for the same call, and the answer reads the same."""
+    async def run() -> None:
+        seen: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                seen.append(await read_request(reader))
+                writer.write(SSE_HEAD + chunk(b"data: {}\n\n") + b"0\r\n\r\n")
+                await writer.drain()
+
+        async with server(answer) as (url, _), EngineClient(
+                base_url=url, transport=H1Transport(), headers={"x-proxy": "p"}) as http:
+            target = http.build_request("POST", "/v1/chat/completions").url
+            bodies = []
+            for lean in (True, False):
+                if lean:
+                    response = await http.open("POST", target, content=b"{}",
+                                               headers=headers)
+                else:
+                    response = await send_with_stale_retry(http, http.build_request(
+                        "POST", target, content=b"{}", headers=headers))
+                try:
+                    bodies.append((response.status_code, response.headers.raw,
+                                   await response.aread()))
+                finally:
+                    await response.aclose()
+        assert len(seen) == 2
+        assert seen[0] == seen[1]
+        assert bodies[0] == bodies[1]
+
+    asyncio.run(run())
+
+
+def test_open_leaves_to_httpx_what_its_client_acts_on() -> None:
+    """A hook, or the engine key on one of the proxy's own paths: httpx's own send."""
+    from adapters._http import EngineKey
+
+    async def run() -> None:
+        seen: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                seen.append(await read_request(reader))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+
+        async with server(answer) as (url, _), EngineClient(
+                base_url=url, transport=H1Transport(), auth=EngineKey("engine-key")) as http:
+            own = http.build_request("POST", "/slots/0").url
+            response = await http.open("POST", own, content=b"{}", headers=[])
+            await response.aclose()
+            assert response.request.url == own  # httpx's: it has its request
+            chat = http.build_request("POST", "/v1/chat/completions").url
+            response = await http.open("POST", chat, content=b"{}", headers=[])
+            await response.aclose()
+        assert b"Bearer engine-key" in seen[0]
+        assert b"engine-key" not in seen[1]
+
+    asyncio.run(run())
+
+
+def test_open_retries_a_stale_keep_alive_connection_once() -> None:
+    """A pooled connection the engine closes on the next request without answering it
+    (its keep-alive ran out as the request arrived): one retry, on a new connection."""
+    async def run() -> None:
+        connections = 0
+        answered = 0
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections, answered
+            connections += 1
+            first = connections == 1
+            while True:
+                await read_request(reader)
+                if first and answered:
+                    return  # closed with the second request unanswered
+                answered += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+
+        async with server(answer) as (url, peers), EngineClient(
+                base_url=url, transport=H1Transport()) as http:
+            target = http.build_request("POST", "/v1/chat/completions").url
+            for _ in range(2):
+                response = await http.open("POST", target, content=b"{}", headers=[])
+                assert await response.aread() == b"{}"
+                await response.aclose()
+        assert answered == 2
+        assert len(peers) == 2  # the retry's connection
+
+    asyncio.run(run())
