@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
@@ -279,7 +280,7 @@ def test_a_client_reset_mid_stream_leaves_the_other_streams_whole() -> None:
 
     chunks = 400
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
         write = scope["extensions"][BODY_WRITER]
