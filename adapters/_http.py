@@ -109,7 +109,6 @@ class EngineClient(httpx.AsyncClient):
         return [(name, value) for name, value in self.headers.raw
                 if name.lower() not in named] + headers
 
-
     async def open(self, method: str, url: httpx.URL, *, content: bytes,
                    headers: list[tuple[bytes, bytes]]) -> httpx.Response:
         """``send_with_stale_retry(self, self.build_request(method, url, content=content,
@@ -122,7 +121,7 @@ class EngineClient(httpx.AsyncClient):
         no ``request`` then. ``url``: absolute, as ``build_request`` makes it."""
         transport = self._transport_for_url(url)
         if (not isinstance(transport, H1Transport) or url.scheme != "http"
-                or method not in RELAYED or self._has_hooks() or self._acts_on(url)):
+                or method not in _WRITTEN_METHODS or self._has_hooks() or self._acts_on(url)):
             return await send_with_stale_retry(
                 self, self.build_request(method, url, content=content, headers=headers))
         wire = self._wire_headers(url, headers, len(content))
@@ -163,7 +162,7 @@ class EngineClient(httpx.AsyncClient):
         return auth.is_own_path(url.path)
 
 
-RELAYED = frozenset({"POST"})  # what ``EngineClient.open`` writes itself
+_WRITTEN_METHODS = frozenset({"POST"})  # what ``EngineClient.open`` writes itself
 _NO_COOKIES = _NoCookies()
 
 

@@ -271,10 +271,6 @@ class SlotPool:
             return None
         return held[0].index if len(held) == 1 else min(entry.index for entry in held)
 
-    def occupants(self) -> list[str | None]:
-        """Each slot's occupant, in slot order."""
-        return [entry.occupant for entry in self.entries]
-
     @property
     def occupied(self) -> int:
         """How many slots hold a history."""
@@ -286,8 +282,8 @@ class SlotPool:
         return self._n_busy
 
     def forget(self, session_id: str) -> None:
-        for entry in self.entries:
-            if entry.occupant == session_id and not entry.busy:
+        for entry in list(self._holders.get(session_id, ())):
+            if not entry.busy:
                 entry.occupant, entry.kind, entry.tokens = None, None, 0
 
     def reset(self) -> None:

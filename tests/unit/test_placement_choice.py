@@ -90,3 +90,13 @@ def test_a_detached_copy_moves_no_index() -> None:
     scratch.occupant, scratch.busy = "s1", True
     assert (pool.busy, pool.occupied, pool.holder_of("s1")) == (0, 0, None)
     assert pool.entries[1].occupant is None
+
+
+def test_forget_empties_the_idle_slots_of_a_session_and_leaves_a_busy_one() -> None:
+    pool = SlotPool(4)
+    for index in (0, 2, 3):
+        pool.entries[index].occupant = "s1"
+    pool.entries[3].busy = True
+    pool.forget("s1")
+    assert [e.occupant for e in pool.entries] == [None, None, None, "s1"]
+    assert (pool.occupied, pool.holder_of("s1")) == (1, 3)
