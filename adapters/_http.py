@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Mapping,
+)
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, cast
 
@@ -126,14 +134,9 @@ class EngineClient(httpx.AsyncClient):
                 self, self.build_request(method, url, content=content, headers=headers))
         wire = self._wire_headers(url, headers, len(content))
         timeouts = self.timeout.as_dict()
-        try:
-            return await transport.exchange(method, url, wire, content, timeouts)
-        except httpx.RemoteProtocolError as exc:  # (send_with_stale_retry's, as there)
-            if "without sending a response" not in str(exc):
-                raise
-        except httpx.ReadError:
-            pass
-        return await transport.exchange(method, url, wire, content, timeouts)
+        return await retry_stale(
+            lambda: transport.exchange(method, url, wire, content, timeouts),
+            retry_read_error=True)
 
     def _wire_headers(self, url: httpx.URL, headers: list[tuple[bytes, bytes]],
                       length: int) -> list[tuple[bytes, bytes]]:
@@ -208,15 +211,25 @@ async def send_with_stale_retry(http: httpx.AsyncClient, request: httpx.Request,
     engine, so one retry on a fresh connection is safe. (With ``stream=False`` a read
     error may come from the body, after the engine acted: only a GET is retried then.)
     """
+    return await retry_stale(lambda: http.send(request, stream=stream),
+                             retry_read_error=stream or request.method == "GET")
+
+
+async def retry_stale(send: Callable[[], Awaitable[httpx.Response]], *,
+                      retry_read_error: bool) -> httpx.Response:
+    """``send()``, once more when the first try failed before any response byte on a
+    pooled connection the engine had closed (``send_with_stale_retry`` says when that is
+    safe): "Server disconnected without sending a response", or a ``ReadError`` where
+    ``retry_read_error``."""
     try:
-        return await http.send(request, stream=stream)
+        return await send()
     except httpx.RemoteProtocolError as exc:
         if "without sending a response" not in str(exc):
             raise
     except httpx.ReadError:
-        if not stream and request.method != "GET":
+        if not retry_read_error:
             raise
-    return await http.send(request, stream=stream)
+    return await send()
 
 
 async def get_json(http: httpx.AsyncClient, path: str, what: str) -> Any:

@@ -108,14 +108,10 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
             continue
         field, text = frame.delta_field, frame.delta_text
         if field is not None and text is not None:
-            # its adapter read the one text field of choice 0's delta: no parse (and, for
-            # the bulk of a reply, the content pieces collected here without a call each)
+            # its adapter read the one text field of choice 0's delta: no parse
             if first is None:
                 first = _state_at(choices, 0, True)
-            if field == "content" and first.content is not None:
-                first.content.append(text)
-            else:
-                first._fold_field(field, text)
+            first._fold_field(field, text)
             continue
         data = frame.data
         listed = data.get("choices") if data is not None else None

@@ -73,11 +73,9 @@ class SlotEntry:
     @busy.setter
     def busy(self, busy: bool) -> None:
         if busy != self._busy:
-            if self._pool is not None:
-                self._pool._leave_index(self)
             self._busy = busy
             if self._pool is not None:
-                self._pool._enter_index(self)
+                self._pool._flipped(self)
 
     def detached(self) -> SlotEntry:
         """A copy no pool owns (a scratch entry: its changes move no index)."""
@@ -246,20 +244,18 @@ class SlotPool:
                 self._idle_empty.discard(entry.index)
                 self._idle_held[entry.index] = entry
 
-    def _leave_index(self, entry: SlotEntry) -> None:
-        """Before ``entry.busy`` flips (called by the entry)."""
-        if entry._busy:
-            self._n_busy -= 1
-        elif entry._occupant is None:
-            self._idle_empty.discard(entry.index)
-        else:
-            self._idle_held.pop(entry.index, None)
-
-    def _enter_index(self, entry: SlotEntry) -> None:
-        """After ``entry.busy`` flipped (called by the entry)."""
+    def _flipped(self, entry: SlotEntry) -> None:
+        """``entry.busy`` flipped (called by the entry): out of the idle indexes when it
+        became busy, into the one for its contents when it became idle."""
         if entry._busy:
             self._n_busy += 1
-        elif entry._occupant is None:
+            if entry._occupant is None:
+                self._idle_empty.discard(entry.index)
+            else:
+                self._idle_held.pop(entry.index, None)
+            return
+        self._n_busy -= 1
+        if entry._occupant is None:
             self._idle_empty.add(entry.index)
         else:
             self._idle_held[entry.index] = entry
@@ -334,8 +330,11 @@ class SlotPool:
                 and time.monotonic() - self.last_eviction < within_s)
 
     def others_busy(self, slot: int) -> bool:
-        own = 0 <= slot < len(self.entries) and self.entries[slot].busy
-        return self._n_busy - own > 0
+        entry = self._entry_at(slot)
+        return self._n_busy - (entry is not None and entry.busy) > 0
+
+    def _entry_at(self, slot: int) -> SlotEntry | None:
+        return self.entries[slot] if 0 <= slot < len(self.entries) else None
 
     @asynccontextmanager
     async def holding(self, slot: int, session_id: str) -> AsyncIterator[SlotEntry | None]:
@@ -343,7 +342,7 @@ class SlotPool:
         For work on a slot's contents outside any request (parking it ahead): a request for
         the slot waits until the block ends, as for any lease; it is not a use of the slot
         (its idle time, which the eviction order reads, goes on)."""
-        entry = self.entries[slot] if 0 <= slot < len(self.entries) else None
+        entry = self._entry_at(slot)
         if entry is None or entry.busy or entry.occupant != session_id:
             yield None
             return
