@@ -297,24 +297,27 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
 async def push_decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
                               classify: Callable[[T], Frame], sink: FrameSink, *,
                               whole: Callable[[bytes], Frame | None] | None = None) -> None:
-    """``decoded_frames``, pushed: the frames of each piece of the body to ``sink`` as one
-    list, called from the engine connection's read where the transport can (``PushedBody``:
-    no task wakes up per read), else as the body is iterated. Returns at the body's end;
-    raises what ``sink`` raises, an engine error as ``UpstreamError``.
+    """``decoded_frames``, pushed: the frames of each piece of the body to ``sink`` (one
+    frame alone, several as one list), called from the engine connection's read where
+    the transport can (``PushedBody``: no task wakes up per read), else as the body is
+    iterated. Returns at the body's end; raises what ``sink`` raises, an engine error as
+    ``UpstreamError``.
 
     ``whole``: the frame of a piece that is exactly one whole item (what the decoder
     would make of it, then ``classify``), or None for any other piece; asked only while
     the decoder holds nothing, it spares the common piece, one streamed token, the
     decoder's item and a call or two (``adapters._openai_sse.classify_whole``)."""
+    take_frame, take_frames = sink.take_frame, sink.take_frames
+
     def feed(chunk: bytes) -> None:
         if whole is not None and decoder.idle and (frame := whole(chunk)) is not None:
-            sink([frame])
+            take_frame(frame)
             return
         items = _decoded(decoder, chunk, what)
         if len(items) == 1:  # one event per read: a token at a time
-            sink([classify(items[0])])
+            take_frame(classify(items[0]))
         elif items:
-            sink([classify(item) for item in items])
+            take_frames([classify(item) for item in items])
 
     with map_httpx_errors(what):
         body = pushed_body(response)
@@ -324,7 +327,7 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
             async for chunk in body_chunks(response):
                 feed(chunk)
         if tail := decoder.flush():
-            sink([classify(item) for item in tail])
+            take_frames([classify(item) for item in tail])
 
 
 def _decoded(decoder: StreamDecoder[T], chunk: bytes, what: str) -> list[T]:

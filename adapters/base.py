@@ -69,8 +69,18 @@ class UpstreamCall:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-# Where pushed frames go: every frame of one engine read, in order, as one list.
-FrameSink = Callable[[list[Frame]], None]
+class FrameSink(Protocol):
+    """Where pushed frames go (``proxy.generation.Generation``): every frame of one engine
+    read, in order."""
+
+    def take_frames(self, frames: list[Frame]) -> None:
+        """The frames of one read, as one list."""
+        ...
+
+    def take_frame(self, frame: Frame) -> None:
+        """What ``take_frames([frame])`` does, for a read of one frame: the common read (a
+        streamed token), handed over without a list."""
+        ...
 
 
 class UpstreamStream(Protocol):

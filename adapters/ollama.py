@@ -185,11 +185,7 @@ class _OllamaStream:
             yield frame
 
     async def push_frames(self, sink: FrameSink) -> None:
-        def noted(frames: list[Frame]) -> None:
-            for frame in frames:
-                self._note_cached_field(frame)
-            sink(frames)
-
+        noted = _Noting(self._note_cached_field, sink)
         if self._native:
             expect_media_type(self._what, self.content_type, "application/x-ndjson",
                               "an NDJSON stream")
@@ -290,3 +286,22 @@ async def detect_engine(http: httpx.AsyncClient) -> EngineKind | None:
     except UpstreamError:
         return None
     return "llama-server" if props.status_code in (200, 503) else None
+
+
+class _Noting:
+    """A frame sink that has ``note`` read each frame on its way to ``sink``."""
+
+    __slots__ = ("_note", "_sink")
+
+    def __init__(self, note: Callable[[Frame], None], sink: FrameSink) -> None:
+        self._note = note
+        self._sink = sink
+
+    def take_frames(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            self._note(frame)
+        self._sink.take_frames(frames)
+
+    def take_frame(self, frame: Frame) -> None:
+        self._note(frame)
+        self._sink.take_frame(frame)

@@ -30,7 +30,8 @@ from core.errors import (
 from proxy.logs import get_logger
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
-_ERROR, _DONE = FrameKind.ERROR, FrameKind.DONE  # read per frame: globals, not enum lookups
+# Read per frame: globals, not enum lookups.
+_ERROR, _DONE, _CHUNK = FrameKind.ERROR, FrameKind.DONE, FrameKind.CHUNK
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ class Generation:
 
     def listen(self, listener: Callable[[], None]) -> None:
         """``listener()`` at every change from now on, called by the change itself (in the
-        engine connection's read, ``_take_frames``) before any waiter wakes: a client's
+        engine connection's read, ``take_frames``) before any waiter wakes: a client's
         stream written without waking its task (``proxy.relay``). It must not raise, and
         leaves with ``unlisten``."""
         self._listeners.append(listener)
@@ -179,11 +180,11 @@ class Generation:
         if (push := pusher_of(upstream)) is not None:
             # Each engine read's frames land here from the read itself: the clients are
             # the only tasks woken per read.
-            await push(self._take_frames)
+            await push(self)
         else:
             async for frame in upstream.aiter_frames():
                 answered = self.completed
-                self._take_frames([frame])
+                self.take_frame(frame)
                 if self.completed and not answered:
                     # The clients write their last bytes before this task reads on (and
                     # then releases the slot): off their latency.
@@ -192,7 +193,18 @@ class Generation:
             # A stream that ends without [DONE] was cut off: never pretend it completed.
             raise UpstreamProtocolError("engine closed the stream before it finished")
 
-    def _take_frames(self, frames: list[Frame]) -> None:
+    def take_frame(self, frame: Frame) -> None:
+        """``take_frames([frame])``. The common frame, a streamed token after the first
+        output, goes straight into the log: no list, and none of the checks that cannot
+        apply to it (a progress, the first output, an error, the end)."""
+        if (frame.kind is not _CHUNK or frame.progress is not None or self.completed
+                or self.timeline.first_output is None):
+            self.take_frames([frame])
+            return
+        self.frames.append(frame)
+        self._notify()
+
+    def take_frames(self, frames: list[Frame]) -> None:
         """The frames of one engine read, in order, into the log, the clients told once.
         The frames after the answer are read (so the connection is reused) and dropped.
         Complete, the answer is settled (the session's history committed) right after the

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from adapters.base import Progress
+from adapters.base import FrameKind, Progress
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
 from proxy.client_writes import BODY_WRITER
@@ -34,6 +34,8 @@ from proxy.validation import ClientRequest
 
 # ``_ensure_usage``: the OpenAI codec's usage fill, under the name tests read it by here.
 __all__ = ["BATCH_FRAMES", "_ensure_usage", "heartbeat_text", "respond"]
+
+_CHUNK = FrameKind.CHUNK  # read per event: a global, not an enum lookup
 
 BATCH_FRAMES = 256
 # A client's heartbeat timer may fire this early (a loop's clock resolution: uvloop's is
@@ -100,6 +102,7 @@ class LiveStream(StreamResponse):
         self._subscriber = subscriber
         self._generation = subscriber.generation
         self._encode = codec.stream(client, self._generation, fill_cached=fill_cached)
+        self._raw_chunks = self._encode.raw_chunks
         self._heartbeat_s = heartbeat_s
         self._on_heartbeat = on_heartbeat
         self._send: Send | None = None
@@ -171,7 +174,19 @@ class LiveStream(StreamResponse):
         sent now if this task sleeps (else it writes them itself before it sleeps again)."""
         if not self._asleep:
             return
-        send, subscriber, log = self._send, self._subscriber, self._generation.frames
+        subscriber, log = self._subscriber, self._generation.frames
+        position = subscriber.position
+        if position == len(log) - 1 and self._raw_chunks:
+            # The common change, one new output chunk, for an encoder that writes it as its
+            # bytes: written as the loop below would, without a batch taken and encoded
+            # (unless the plain writer declines: then the loop's ``send`` does it).
+            frame = log[position]
+            if (frame.kind is _CHUNK and (write_body := self._write_body) is not None
+                    and write_body(frame.raw)):
+                subscriber.position = position + 1
+                self._quiet_until = time.monotonic() + self._heartbeat_s
+                return
+        send = self._send
         write_body = self._write_body
         assert send is not None
         try:

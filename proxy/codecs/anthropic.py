@@ -286,6 +286,8 @@ class AnthropicStream:
     (thinking, text, tools).
     """
 
+    raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
+
     __slots__ = ("_client", "_ended", "_fill_cached", "_finish", "_generation", "_next",
                  "_started", "_stop_sequence", "_text", "_thinking", "_tools")
 

@@ -29,6 +29,11 @@ class StreamEncoder(Protocol):
     rewrite each frame and join the bytes.
     """
 
+    # True when every output chunk (``FrameKind.CHUNK``) encodes as its own bytes
+    # (``frame.raw``) and changes nothing the encoder holds: the relay then writes a lone
+    # new chunk as it is, without ``encode`` (``proxy.relay.LiveStream``).
+    raw_chunks: bool
+
     def encode(self, frames: Sequence[Frame]) -> bytes:
         """The bytes for these frames, in order; ``b""`` when none is for this client."""
         ...

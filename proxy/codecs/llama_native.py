@@ -119,6 +119,8 @@ class NativeView:
     """One streaming client's view: llama-server's events as they came, without the
     progress it did not ask for, each final event cut to its ``response_fields``."""
 
+    raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
+
     def __init__(self, client: ClientRequest) -> None:
         self._progress = client.wants_progress
         self._fields = response_fields(client.body)

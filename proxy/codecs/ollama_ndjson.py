@@ -48,6 +48,8 @@ class OllamaCodec:
     """Ollama NDJSON, for ``endpoint`` "chat" (``/api/chat``) or "completions"
     (``/api/generate``). Stateless: its own stream encoder, shared by every client."""
 
+    raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
+
     api: Api = "ollama"
     engine_api: Api = "ollama"
     media_type = NDJSON_MEDIA_TYPE

@@ -105,6 +105,7 @@ class ClientView:
         self._fill_cached = fill_cached
         self._held: Frame | None = None
         self._wants_usage = client.wants_usage
+        self.raw_chunks = self._wants_usage  # (``encode``'s first branch, nothing held)
 
     def encode(self, frames: Sequence[Frame]) -> bytes:
         # The common frame, an output chunk of a client that asked for usage (nothing is

@@ -241,6 +241,8 @@ class _Item:
 class ResponsesStream:
     """One streaming client's Responses events of a generation's chat frames."""
 
+    raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
+
     def __init__(self, client: ClientRequest, generation: Generation, *,
                  fill_cached: bool = True) -> None:
         self._client = client

@@ -6,16 +6,20 @@ generation or the other clients; heartbeats only after silence."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from starlette.types import Message
 
+from core.errors import ProxyError
+from core.frames import Frame
+from proxy.client_writes import BODY_WRITER
 from proxy.codecs import codec_of
 from proxy.codecs.openai_sse import ClientView
 from proxy.generation import Generation
 from proxy.relay import LiveStream
-from tests.unit.test_relay_path import STREAM, client_of, frames_of, opener_of
+from tests.unit.test_relay_path import STREAM, client_of, event, frames_of, opener_of
 
 
 class Client:
@@ -83,11 +87,11 @@ def test_frames_are_written_by_the_change_itself_and_the_stream_ends_whole() -> 
         _, request, sent, task = await started(generation)
         frames = frames_of(STREAM)
         before = len(sent.messages)
-        generation._take_frames(frames[:3])
+        generation.take_frames(frames[:3])
         # Written before any task ran: the change itself sent them.
         assert len(sent.messages) == before + 1
         for frame in frames[3:]:
-            generation._take_frames([frame])
+            generation.take_frames([frame])
         await asyncio.wait_for(task, 5)
         assert sent.messages[0]["type"] == "http.response.start"
         assert sent.ended
@@ -103,7 +107,7 @@ def test_a_send_that_waits_is_handed_to_the_task_and_nothing_is_lost_or_reordere
         sent.blocked = asyncio.Event()
         frames = frames_of(STREAM)
         for frame in frames[:5]:  # the first write waits; the others must not go around it
-            generation._take_frames([frame])
+            generation.take_frames([frame])
         await settle()
         writes_while_blocked = len(sent.messages)
         sent.blocked.set()
@@ -112,7 +116,7 @@ def test_a_send_that_waits_is_handed_to_the_task_and_nothing_is_lost_or_reordere
         assert len(sent.messages) == writes_while_blocked + 2
         sent.blocked = None
         for frame in frames[5:]:
-            generation._take_frames([frame])
+            generation.take_frames([frame])
         await asyncio.wait_for(task, 5)
         assert sent.body == expected_body(generation, request)
         assert sent.ended
@@ -131,7 +135,7 @@ def test_a_client_whose_write_fails_leaves_the_generation_and_the_others_whole()
         good_task = asyncio.create_task(fine({"type": "http"}, good.receive, good.send))
         await settle()
         for frame in frames_of(STREAM):
-            generation._take_frames([frame])  # raises nothing, whoever fails
+            generation.take_frames([frame])  # raises nothing, whoever fails
         await asyncio.wait_for(good_task, 5)
         with pytest.raises(ConnectionResetError):
             await asyncio.wait_for(bad_task, 5)
@@ -151,10 +155,10 @@ def test_heartbeats_come_after_silence_only() -> None:
         silent = len(beats)
         frames = frames_of(STREAM)
         for frame in frames[:-1]:  # frames every 10 ms: no heartbeat between them
-            generation._take_frames([frame])
+            generation.take_frames([frame])
             await asyncio.sleep(0.01)
         flowing = len(beats) - silent
-        generation._take_frames(frames[-1:])
+        generation.take_frames(frames[-1:])
         await asyncio.wait_for(task, 5)
         return silent, flowing, sent
 
@@ -180,7 +184,7 @@ def test_a_client_keeps_one_timer_however_many_writes_and_none_after_the_end(
         generation = Generation(opener_of, grace_s=0)
         response, _, _, task = await started(generation, heartbeat_s=10.0)
         for frame in frames_of(STREAM):  # every write moves the heartbeat's due
-            generation._take_frames([frame])
+            generation.take_frames([frame])
             await asyncio.sleep(0.001)
         await asyncio.wait_for(task, 5)
         return response
@@ -189,3 +193,101 @@ def test_a_client_keeps_one_timer_however_many_writes_and_none_after_the_end(
     assert len(armed) == 1  # armed once, for the first sleep; never moved by a write
     assert response._timer is not None
     assert response._timer.cancelled()  # the end leaves no timer behind
+
+
+def test_one_frame_taken_alone_is_what_a_list_of_it_does() -> None:
+    """``Generation.take_frame`` (a pushed read of one frame, the common one: a token)
+    against ``take_frames([frame])``, frame by frame over a whole stream (a progress, role
+    chunks, empty deltas, the first output, tokens, the finish, usage, [DONE], a token
+    after it) and an engine's error mid-stream: the same log, end, progress and timeline,
+    the listeners told as often, the same error raised."""
+    async def run() -> None:
+        frames = frames_of(STREAM)
+        alone, listed = Generation(opener_of, grace_s=0), Generation(opener_of, grace_s=0)
+        told = {"alone": 0, "listed": 0}
+        alone.listen(lambda: told.__setitem__("alone", told["alone"] + 1))
+        listed.listen(lambda: told.__setitem__("listed", told["listed"] + 1))
+        for frame in [*frames, frames[4]]:
+            alone.take_frame(frame)
+            listed.take_frames([frame])
+            assert alone.frames == listed.frames
+            assert (alone.completed, alone.progress) == (listed.completed, listed.progress)
+            assert ((alone.timeline.first_output is None, alone.timeline.first_progress is None)
+                    == (listed.timeline.first_output is None,
+                        listed.timeline.first_progress is None))
+            assert told["alone"] == told["listed"]
+        assert alone.completed
+
+        error = frames_of([event({"error": {"message": "boom", "code": 503}})])[0]
+        raised = []
+        for one_at_a_time in (True, False):
+            generation = Generation(opener_of, grace_s=0)
+
+            def take(frame: Frame, generation: Generation = generation,
+                     alone: bool = one_at_a_time) -> None:
+                if alone:
+                    generation.take_frame(frame)
+                else:
+                    generation.take_frames([frame])
+
+            for frame in frames[:6]:
+                take(frame)
+            with pytest.raises(ProxyError) as caught:
+                take(error)
+            raised.append((str(caught.value), caught.value.status_code,
+                           len(generation.frames)))
+        assert raised[0] == raised[1]
+
+    asyncio.run(run())
+
+
+def test_a_lone_new_chunk_is_written_as_its_bytes_without_the_encoder() -> None:
+    """With the server's plain body writer in the scope (``BODY_WRITER``), a change that
+    brings one output chunk writes that chunk's bytes through it without a batch encoded;
+    a batch, any other frame, and a chunk the writer declines take the general way (the
+    encoder, then the writer or ``send``); the stream is whole and in order either way."""
+    async def run() -> tuple[bytes, bytes, list[int], int, list[Message]]:
+        generation = Generation(opener_of, grace_s=0)
+        response, request = live(generation)
+        sent = Client()
+        declines = {"left": 0}  # the writer's next calls that decline
+
+        def write_body(body: bytes) -> bool:
+            if declines["left"]:
+                declines["left"] -= 1
+                return False
+            sent.messages.append({"type": "http.response.body", "body": body,
+                                  "more_body": True, "by": "writer"})
+            return True
+
+        encoded: list[int] = []  # the size of each batch the encoder was given
+        encode = response._encode.encode
+
+        def counted(frames: Sequence[Frame]) -> bytes:
+            encoded.append(len(frames))
+            return encode(frames)
+
+        response._encode.encode = counted  # type: ignore[method-assign]
+        scope = {"type": "http", "extensions": {BODY_WRITER: write_body}}
+        task = asyncio.create_task(response(scope, sent.receive, sent.send))
+        await settle()
+        frames = frames_of(STREAM)  # progress, then chunks: role, "", null, Hel, hmm, tool...
+        generation.take_frames(frames[:3])  # a batch: encoded
+        before_lone = len(encoded)
+        for frame in frames[3:6]:  # lone chunks: written, never encoded
+            generation.take_frame(frame)
+        lone_encoded = len(encoded) - before_lone
+        declines["left"] = 2  # the lone chunk's write, then the general way's
+        generation.take_frame(frames[6])  # declined by the writer: encoded, then ``send``
+        for frame in frames[7:]:
+            generation.take_frame(frame)
+        await asyncio.wait_for(task, 5)
+        declined = [m for m in sent.messages if frames[6].raw in m.get("body", b"")]
+        return sent.body, expected_body(generation, request), encoded, lone_encoded, declined
+
+    body, expected, encoded, lone_encoded, declined = asyncio.run(run())
+    assert body == expected
+    assert lone_encoded == 0
+    assert encoded[:2] == [3, 1]  # the batch, then the declined chunk alone
+    assert len(declined) == 1
+    assert "by" not in declined[0]  # it went out through ``send``

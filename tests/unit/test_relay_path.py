@@ -173,7 +173,7 @@ def test_changed_is_set_at_the_next_change_only() -> None:
         generation = Generation(opener_of, grace_s=0)
         changed = generation.changed()
         assert generation.changed() is changed  # the same event until the change
-        generation._take_frames(frames_of(STREAM[1:2]))
+        generation.take_frames(frames_of(STREAM[1:2]))
         assert changed.is_set()
         assert not generation.changed().is_set()
 
