@@ -102,7 +102,7 @@ class LiveStream(StreamResponse):
         self._subscriber = subscriber
         self._generation = subscriber.generation
         self._encode = codec.stream(client, self._generation, fill_cached=fill_cached)
-        self._raw_chunks = self._encode.raw_chunks
+        self._raw_chunks = self._encode.raw_chunks  # (fixed per encoder: read per event)
         self._heartbeat_s = heartbeat_s
         self._on_heartbeat = on_heartbeat
         self._send: Send | None = None

@@ -105,16 +105,18 @@ class ClientView:
         self._fill_cached = fill_cached
         self._held: Frame | None = None
         self._wants_usage = client.wants_usage
-        self.raw_chunks = self._wants_usage  # (``encode``'s first branch, nothing held)
+        # (``StreamEncoder``) nothing is ever held back for a client that asked for usage:
+        # ``encode`` writes its chunks as their bytes, on this flag, which the relay reads.
+        self.raw_chunks = self._wants_usage
 
     def encode(self, frames: Sequence[Frame]) -> bytes:
         # The common frame, an output chunk of a client that asked for usage (nothing is
         # ever held back for it), is its own bytes; the rest takes ``bytes_for``.
         out: list[bytes] = []
         append = out.append
-        chunks_as_they_are = self._wants_usage
+        raw_chunks = self.raw_chunks
         for frame in frames:
-            if chunks_as_they_are and frame.kind is _CHUNK:
+            if raw_chunks and frame.kind is _CHUNK:
                 append(frame.raw)
             elif part := self.bytes_for(frame):
                 append(part)
