@@ -147,18 +147,31 @@ def assert_a_still_cached(rig: Rig, a: Victim) -> None:
 def control(rig: Rig, *, session: str, **kwargs: Any) -> int:
     """B's cached tokens for a wrong guess of the same length: what a fresh conversation of
     B's own sees (its own namespace, the same slot history)."""
-    return cached(rig.chat(B_TOKEN, WRONG, "hello", session=session, **kwargs))
+    return cached(control_turn(rig, session=session, **kwargs))
+
+
+def control_turn(rig: Rig, *, session: str, **kwargs: Any) -> httpx.Response:
+    """``control``'s request itself (for a test that goes on with its conversation)."""
+    return rig.chat(B_TOKEN, WRONG, "hello", session=session, **kwargs)
 
 
 @contextlib.contextmanager
-def busy_slot(rig: Rig, session: str) -> Iterator[None]:
-    """B's session ``session`` generating a long answer meanwhile (its slot is busy)."""
+def busy_slot(rig: Rig, session: str, system: str, first: httpx.Response) -> Iterator[None]:
+    """B's session ``session`` generating a long answer meanwhile (its slot is busy).
+
+    The long answer is the next turn of the conversation ``first`` opened (same system
+    prompt, its "hello" and reply as history), so it resumes on that conversation's own
+    slot. A different opening under the same key would be a side history, free to take
+    whichever main slot is worth least, A's included, and the test would not reach A's."""
+    assert first.status_code == 200, first.text
+    history = [{"role": "user", "content": "hello"},
+               {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
     done = threading.Event()
 
     def generate() -> None:
         try:
-            rig.chat(B_TOKEN, WRONG, "Write a long story about the sea.", session=session,
-                     extra={"max_tokens": 400, "ignore_eos": True})
+            rig.chat(B_TOKEN, system, "Write a long story about the sea.", session=session,
+                     history=history, extra={"max_tokens": 400, "ignore_eos": True})
         finally:
             done.set()
 
@@ -243,10 +256,16 @@ def test_native_routes_with_id_slot_get_the_proxys_slot(engine: LlamaServerProce
 
 
 def a_slot_of(rig: Rig) -> int:
+    return slot_of(rig, A_SESSION)
+
+
+def slot_of(rig: Rig, key: str) -> int:
+    """The slot the main session under ``key`` holds (the whole view when it is not one)."""
     view = httpx.get(f"{rig.admin}/sessions", timeout=30).json()
     [session] = [s for group in view["namespaces"].values() for s in group
-                 if s["key"] == A_SESSION]
-    slot: int = session["slot"]
+                 if s["key"] == key and s["kind"] == "main"]
+    slot = session["slot"]
+    assert isinstance(slot, int), view
     return slot
 
 
@@ -321,17 +340,18 @@ def test_a_new_session_guessing_a_prompt(engine: LlamaServerProcess) -> None:
         # B keeps its own slot busy (a long answer in b-1), so its next session can only
         # take A's slot: the slot changes namespace with A's KV still in it.
         a_slot = a_slot_of(rig)
-        with busy_slot(rig, "b-1"):
+        with busy_slot(rig, "b-1", SECRET, right):
             on_a_slot = rig.chat(B_TOKEN, SECRET, "hello", session="b-2")
         on_a_slot_cached = cached(on_a_slot)
-        view = httpx.get(f"{rig.admin}/sessions", timeout=30).json()
-        [mine] = [s for g in view["namespaces"].values() for s in g if s["key"] == "b-2"]
-        assert mine["slot"] == a_slot, view  # the test reached A's slot
+        assert slot_of(rig, "b-2") == a_slot  # the test reached A's slot
     with proxy(engine) as rig:  # the control: the same moves with a wrong guess
         victim(rig)
-        free_control = control(rig, session="b-1")
-        with busy_slot(rig, "b-1"):
+        first_control = control_turn(rig, session="b-1")
+        free_control = cached(first_control)
+        a_slot = a_slot_of(rig)
+        with busy_slot(rig, "b-1", WRONG, first_control):
             a_slot_control = control(rig, session="b-2")
+        assert slot_of(rig, "b-2") == a_slot  # the control reached A's slot too
     assert on_free_slot <= free_control + SLACK, (on_free_slot, free_control)
     assert on_a_slot_cached <= a_slot_control + SLACK, (on_a_slot_cached, a_slot_control)
 
