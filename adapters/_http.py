@@ -306,7 +306,8 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     ``whole``: the frame of a piece that is exactly one whole item (what the decoder
     would make of it, then ``classify``), or None for any other piece; asked only while
     the decoder holds nothing, it spares the common piece, one streamed token, the
-    decoder's item and a call or two (``adapters._openai_sse.classify_whole``)."""
+    decoder's item and a call or two (``adapters._openai_sse.SameShapeTokens``: one per
+    stream, it may keep what it learns of the stream's token events)."""
     take_frame, take_frames = sink.take_frame, sink.take_frames
 
     def feed(chunk: bytes) -> None:

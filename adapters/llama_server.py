@@ -30,7 +30,7 @@ from adapters._http import (
     send_with_stale_retry,
 )
 from adapters._llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
-from adapters._openai_sse import classify, classify_whole
+from adapters._openai_sse import SameShapeTokens, classify
 from adapters.base import (
     Capabilities,
     EngineInfo,
@@ -208,8 +208,8 @@ class _LlamaStream:
     async def push_frames(self, sink: FrameSink) -> None:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
         # OpenAI's events: a read that is one whole token event is classified from its
-        # bytes (``classify_whole``); the native API's events take the decoder always.
-        whole = classify_whole if self._classify is classify else None
+        # bytes (``SameShapeTokens``, this stream's); the native API's take the decoder.
+        whole = SameShapeTokens() if self._classify is classify else None
         await push_decoded_frames(self._response, self._what, SSEDecoder(), self._classify,
                                   sink, whole=whole)
 

@@ -18,9 +18,14 @@ chunked transfer encoding on a keep-alive connection: at once a ``prompt_progres
 then every ``--token-delay-ms`` one token (the first one in the same write as the role
 chunk, as the real server does), after the last token the finish chunk and the usage chunk
 (``timings`` on it: the proxy always asks ``stream_options.include_usage``) in one write,
-``data: [DONE]`` and the last chunk. ``max_tokens`` (else ``--words``) tokens. Every JSON
-event carries ``"seq"``, its index in its stream (progress 0, role 1, tokens 2.., finish,
-usage), so a client can check that none was lost, duplicated or reordered.
+``data: [DONE]`` and the last chunk. ``max_tokens`` (else ``--words``) tokens. Every event
+has its index in its stream (progress 0, role 1, tokens 2.., finish, usage), so a client
+can check that none was lost, duplicated or reordered: the token events in their text
+(token k says `` w<k>``, its index k + 2), the others in a ``"seq"`` field. A token event
+is byte for byte llama-server's, the same bytes around a new text each time (a counter in
+every one would be a shape no engine sends, and costs a proxy that reads a stream's token
+events by their sameness); ``--seq-in-tokens`` puts ``"seq"`` in them too (the shape this
+fake had before).
 
 Cheap on purpose: a stream's frames are rendered once, as bytes templates that only take
 the sequence number; one shared ticker (``--tick-ms``) writes the token of every stream
@@ -68,6 +73,7 @@ class Config:
     n_ctx: int = 4096
     model: str = "fast-model.gguf"
     cache_ram: int | None = None  # declared in /props when set (MiB)
+    seq_in_tokens: bool = False  # a "seq" field in every token event too
 
 
 @dataclass(slots=True)
@@ -88,12 +94,13 @@ class Job:
     """One streamed generation: its frames as templates that take the sequence number."""
 
     __slots__ = ("cancelled", "conn", "envelope", "finish_reason", "head", "index",
-                 "prompt_tokens", "slot", "start", "tail", "word", "words")
+                 "prompt_tokens", "seq", "slot", "start", "tail", "word", "words")
 
     def __init__(self, conn: Connection, slot: Slot | None, words: int, prompt_tokens: int,
-                 task: int, model: str, finish_reason: str) -> None:
+                 task: int, model: str, finish_reason: str, *, seq: bool = False) -> None:
         self.conn, self.slot, self.words, self.prompt_tokens = conn, slot, words, prompt_tokens
         self.index = 0  # tokens written
+        self.seq = seq
         self.start = 0.0
         self.cancelled = False
         self.finish_reason = finish_reason
@@ -101,9 +108,10 @@ class Job:
                     f'{json.dumps(model)},"system_fingerprint":"{BUILD}",'
                     f'"object":"chat.completion.chunk"')
         self.envelope = envelope.encode()
-        # %d %d: the token's number (its text, " w<k>") and the event's seq.
+        # %d: the token's number (its text, " w<k>"), and with ``seq`` the event's seq.
         self.word = (('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
-                      '" w%d"}}],' + envelope.replace("%", "%%") + ',"seq":%d}\n\n').encode())
+                      '" w%d"}}],' + envelope.replace("%", "%%") + (',"seq":%d' if seq else "")
+                      + '}\n\n').encode())
         role = ('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":'
                 '"assistant","content":null}}],' + envelope)
         self.head = (role + f',"prompt_progress":{{"total":{prompt_tokens},"cache":0,'
@@ -193,7 +201,7 @@ class Engine:
                 if job.cancelled:
                     continue
                 k = job.index
-                frame = job.word % (k, k + 2)
+                frame = job.word % ((k, k + 2) if job.seq else k)
                 if k == 0:
                     frame = job.tail + frame  # the role chunk rides with the first token
                     self.events += 1
@@ -243,7 +251,8 @@ class Engine:
                 if isinstance(pinned, int) and not isinstance(pinned, bool) and pinned >= 0
                 else None)
         self.tasks += 1
-        job = Job(conn, slot, words, prompt_tokens, self.tasks, self.config.model, finish)
+        job = Job(conn, slot, words, prompt_tokens, self.tasks, self.config.model, finish,
+                  seq=self.config.seq_in_tokens)
         if not request.get("stream"):
             conn.json(200, self.whole(job))
             return
@@ -510,10 +519,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="declare /props cache_ram (MiB); not declared by default, as "
                              "llama-server")
     parser.add_argument("--no-uvloop", action="store_true", help="the stock asyncio loop")
+    parser.add_argument("--seq-in-tokens", action="store_true",
+                        help='a "seq" field in every token event too (not llama-server\'s shape)')
     args = parser.parse_args(argv)
     config = Config(slots=args.slots, words=args.words, token_delay_s=args.token_delay_ms / 1000,
                     tick_s=args.tick_ms / 1000, n_ctx=args.n_ctx, model=args.model,
-                    cache_ram=args.cache_ram)
+                    cache_ram=args.cache_ram, seq_in_tokens=args.seq_in_tokens)
     coroutine = serve(config, args.host, args.port)
     if not args.no_uvloop:
         try:

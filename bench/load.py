@@ -24,9 +24,10 @@ client: a progress event, the role chunk, ``--events`` tokens ``--token-delay-ms
 the finish and usage chunks, ``[DONE]``.
 
 The client is cheap too: raw asyncio protocols on uvloop, its own chunked-encoding and SSE
-parser. Per stream it checks that the events' ``seq`` run 0, 1, ..., n-1 with no gap,
-repeat or inversion, that n is the same for every stream and arm, and that the stream ends
-with ``[DONE]``. Per level it reports:
+parser. Per stream it checks that the events' indexes run 0, 1, ..., n-1 with no gap,
+repeat or inversion (a token event's from its text, `` w<k>``: the fake's token events are
+llama-server's, byte for byte; the others' from their ``seq``), that n is the same for every
+stream and arm, and that the stream ends with ``[DONE]``. Per level it reports:
 
 - the proxy's CPU per relayed event: its ``/proc/PID/stat`` utime + stime (every thread)
   over the proxy rounds (each read after a short settle, so the work after the last byte
@@ -84,7 +85,8 @@ import httpx
 
 from bench.trees import Tree
 
-SEQ = re.compile(rb'"seq":\s*(\d+)')
+# An event's index in its stream: a token's text " w<k>" (index k + 2), else its "seq".
+SEQ = re.compile(rb'"content":" w(\d+)"|"seq":\s*(\d+)')
 CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)")
 HOST = "127.0.0.1"
 FAST_ENGINE = Path(__file__).with_name("fast_engine.py")
@@ -261,7 +263,8 @@ class Client(asyncio.Protocol):
                     if match is None:
                         raise ValueError(f"an event without a sequence number: "
                                          f"{data[start:min(end, start + 200)]!r}")
-                    result.seqs.append(int(match.group(1)))
+                    token, seq = match.groups()
+                    result.seqs.append(int(token) + 2 if token is not None else int(seq))
             elif data.startswith(b":", start):
                 result.comments += 1
             start = end + 2
@@ -450,11 +453,13 @@ class Setup:
     proxy_args: list[str]
     tick_ms: float
     logs: Path
+    seq_in_tokens: bool = False  # the fake's token events with a "seq" field (not llama's)
 
     def fake_cmd(self, port: int, slots: int, plan: Plan) -> list[str]:
         return [sys.executable, str(FAST_ENGINE), "--port", str(port), "--slots", str(slots),
                 "--words", str(plan.events), "--token-delay-ms", str(plan.token_delay_ms),
-                "--tick-ms", str(self.tick_ms), "--model", self.model]
+                "--tick-ms", str(self.tick_ms), "--model", self.model,
+                *(["--seq-in-tokens"] if self.seq_in_tokens else [])]
 
     def proxy_cmd(self, fake_port: int, port: int) -> list[str]:
         return [*self.tree.serve(), "--upstream", f"http://{HOST}:{fake_port}", "--port",
@@ -829,7 +834,9 @@ def render(result: dict[str, Any]) -> str:
         f"- fake: `bench/fast_engine.py` ({'uvloop' if setup['uvloop'] else 'asyncio'}), "
         f"/props model_path {setup['model']} (implicit identity "
         f"{'on' if setup['implicit_identity'] else 'off'} in the proxy); as many slots as "
-        f"streams; ticker {setup['tick_ms']} ms",
+        f"streams; ticker {setup['tick_ms']} ms; token events "
+        + ("with a `seq` field (`--seq-in-tokens`: not llama-server's shape)"
+           if setup.get("seq_in_tokens") else "llama-server's, byte for byte"),
         f"- per level: {levels[0]['rounds_per_arm'] if levels else '-'} rounds per arm, "
         "alternating direct / proxy (order flipped every round), fresh processes; each "
         f"stream slot runs {levels[0]['waves'] if levels else '-'} requests back to back on "
@@ -982,6 +989,9 @@ def main() -> int:
                              "none, or a path")
     parser.add_argument("--tick-ms", type=float, default=2.0,
                         help="the fake's ticker: a token is written at most this late")
+    parser.add_argument("--seq-in-tokens", action="store_true",
+                        help='the fake\'s token events with a "seq" field (its shape before '
+                             "2026-12-02; no engine sends one)")
     parser.add_argument("--proxy-arg", action="append", default=[],
                         help="an extra `prefixpin serve` argument (repeat)")
     parser.add_argument("--tree", type=Path, help="run the proxy from this source tree")
@@ -1002,7 +1012,8 @@ def main() -> int:
                               "changes" if described["local_changes"] else ""))
     pad = (" " + "lorem " * (args.prompt_bytes // 6 + 1))[:args.prompt_bytes]
     logs = Path(tempfile.mkdtemp(prefix="prefixpin-load-"))
-    setup = Setup(resolve_model(args.model), tree, list(args.proxy_arg), args.tick_ms, logs)
+    setup = Setup(resolve_model(args.model), tree, list(args.proxy_arg), args.tick_ms, logs,
+                  args.seq_in_tokens)
     command = "python " + shlex.join(sys.argv)
 
     def plan_of(streams: int) -> Plan:
@@ -1042,7 +1053,8 @@ def main() -> int:
                                 "--port", "P", *setup.proxy_args],
                   "tree": described, "model": setup.model,
                   "implicit_identity": Path(setup.model).is_file(),
-                  "uvloop": _has_uvloop(), "tick_ms": setup.tick_ms, "logs": str(logs)},
+                  "uvloop": _has_uvloop(), "tick_ms": setup.tick_ms,
+                  "seq_in_tokens": setup.seq_in_tokens, "logs": str(logs)},
         "previous": PREVIOUS, "levels": runs, "burst": burst,
     }
     result["targets"] = verdicts(runs, burst)

@@ -137,7 +137,8 @@ def rounds(procs: dict[str, tuple[int, int]], plan: load.Plan, warm: load.Plan,
 
 
 def alternate(trees: dict[str, Tree], model: str, plan: load.Plan, warm: load.Plan,
-              count: int, logs: Path) -> dict[str, dict[str, list[float]]]:
+              count: int, logs: Path, *, seq_in_tokens: bool = False,
+              ) -> dict[str, dict[str, list[float]]]:
     """Each tree alone under ``plan``, the trees taking turns: per run, the proxy's and
     the fake's CPU per event the client checked."""
     out: dict[str, dict[str, list[float]]] = {
@@ -145,7 +146,7 @@ def alternate(trees: dict[str, Tree], model: str, plan: load.Plan, warm: load.Pl
     names = list(trees)
     for index in range(1, count + 1):
         for name in names if index % 2 else names[::-1]:
-            setup = load.Setup(model, trees[name], [], 2.0, logs)
+            setup = load.Setup(model, trees[name], [], 2.0, logs, seq_in_tokens)
             with load.engines(setup, f"{name}-{index}", plan.streams, plan) as (ports, pids, _):
                 port = ports["proxy"]
                 load.run_async(load.run_round(port, warm, warm.requests("warm", 0)))
@@ -187,6 +188,8 @@ def main() -> int:
     parser.add_argument("--token-delay-ms", type=float, default=20.0)
     parser.add_argument("--clients", choices=("separate", "shared"), default="separate")
     parser.add_argument("--mode", choices=("together", "alternate"), default="together")
+    parser.add_argument("--seq-in-tokens", action="store_true",
+                        help='the fake\'s token events with a "seq" field (not llama\'s shape)')
     parser.add_argument("--waves", type=int, default=3,
                         help="requests per stream in a round (--mode alternate)")
     args = parser.parse_args()
@@ -202,11 +205,13 @@ def main() -> int:
         warm_up = load.Plan(16, 1, 4, args.token_delay_ms, together=True, fresh=False,
                             timeout_s=60)
         trees = {name: tree_of(path) for name, path in zip(names, args.trees, strict=True)}
-        result_alone = alternate(trees, model, whole, warm_up, args.rounds, logs)
+        result_alone = alternate(trees, model, whole, warm_up, args.rounds, logs,
+                                 seq_in_tokens=args.seq_in_tokens)
         print()
         print("\n".join(host_lines()))
         print(f"- alternate: each tree alone, {args.streams} streams x {args.waves} requests "
-              f"of {args.events} tokens, {args.rounds} runs per tree")
+              f"of {args.events} tokens, {args.rounds} runs per tree; the fake's token events "
+              + ("with a `seq` field" if args.seq_in_tokens else "llama-server's, byte for byte"))
         report_alternate(result_alone, names)
         return 0
     half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,
@@ -216,7 +221,7 @@ def main() -> int:
     logs.mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
         fake_port = load.free_ports()
-        base = load.Setup(model, Tree.this(), [], 2.0, logs)
+        base = load.Setup(model, Tree.this(), [], 2.0, logs, args.seq_in_tokens)
         flog = stack.enter_context(open(logs / "fake.log", "wb"))
         stack.enter_context(load.process(base.fake_cmd(fake_port, args.streams + 16, half),
                                          f"http://{load.HOST}:{fake_port}/health", flog))
@@ -225,7 +230,8 @@ def main() -> int:
             tree = tree_of(path)
             port = load.free_ports()
             admin = f"{load.HOST}:{load.free_ports()}"
-            setup = load.Setup(model, tree, ["--admin-listen", admin], 2.0, logs)
+            setup = load.Setup(model, tree, ["--admin-listen", admin], 2.0, logs,
+                               args.seq_in_tokens)
             plog = stack.enter_context(open(logs / f"proxy-{name}.log", "wb"))
             proc = stack.enter_context(load.process(
                 setup.proxy_cmd(fake_port, port), f"http://{load.HOST}:{port}/healthz", plog,
