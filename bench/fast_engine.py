@@ -22,10 +22,10 @@ chunk, as the real server does), after the last token the finish chunk and the u
 has its index in its stream (progress 0, role 1, tokens 2.., finish, usage), so a client
 can check that none was lost, duplicated or reordered: the token events in their text
 (token k says `` w<k>``, its index k + 2), the others in a ``"seq"`` field. A token event
-is byte for byte llama-server's, the same bytes around a new text each time (a counter in
-every one would be a shape no engine sends, and costs a proxy that reads a stream's token
-events by their sameness); ``--seq-in-tokens`` puts ``"seq"`` in them too (the shape this
-fake had before).
+is byte for byte llama-server's, the same bytes around a new text each time but for
+``created``, the second it was made (a counter in every one would be a shape no engine
+sends, and costs a proxy that reads a stream's token events by their sameness);
+``--seq-in-tokens`` puts ``"seq"`` in them too (the shape this fake had before).
 
 Cheap on purpose: a stream's frames are rendered once, as bytes templates that only take
 the sequence number; one shared ticker (``--tick-ms``) writes the token of every stream
@@ -93,8 +93,9 @@ def chunk(payload: bytes) -> bytes:
 class Job:
     """One streamed generation: its frames as templates that take the sequence number."""
 
-    __slots__ = ("cancelled", "conn", "envelope", "finish_reason", "head", "index",
-                 "prompt_tokens", "seq", "slot", "start", "tail", "word", "words")
+    __slots__ = ("cancelled", "conn", "created", "envelope", "finish_reason", "head", "index",
+                 "model", "prompt_tokens", "seq", "slot", "start", "tail", "task", "word",
+                 "words")
 
     def __init__(self, conn: Connection, slot: Slot | None, words: int, prompt_tokens: int,
                  task: int, model: str, finish_reason: str, *, seq: bool = False) -> None:
@@ -104,16 +105,24 @@ class Job:
         self.start = 0.0
         self.cancelled = False
         self.finish_reason = finish_reason
-        envelope = (f'"created":{int(time.time())},"id":"chatcmpl-fast{task}","model":'
-                    f'{json.dumps(model)},"system_fingerprint":"{BUILD}",'
+        self.task, self.model = task, model
+        self.render(int(time.time()))
+
+    def render(self, created: int) -> None:
+        """The stream's frames with ``created`` (llama-server stamps each event with the
+        second it was made: a token's bytes change with it, once a second)."""
+        self.created = created
+        envelope = (f'"created":{created},"id":"chatcmpl-fast{self.task}","model":'
+                    f'{json.dumps(self.model)},"system_fingerprint":"{BUILD}",'
                     f'"object":"chat.completion.chunk"')
         self.envelope = envelope.encode()
         # %d: the token's number (its text, " w<k>"), and with ``seq`` the event's seq.
         self.word = (('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
-                      '" w%d"}}],' + envelope.replace("%", "%%") + (',"seq":%d' if seq else "")
-                      + '}\n\n').encode())
+                      '" w%d"}}],' + envelope.replace("%", "%%")
+                      + (',"seq":%d' if self.seq else "") + '}\n\n').encode())
         role = ('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":'
                 '"assistant","content":null}}],' + envelope)
+        prompt_tokens = self.prompt_tokens
         self.head = (role + f',"prompt_progress":{{"total":{prompt_tokens},"cache":0,'
                      f'"processed":{prompt_tokens},"time_ms":0}},"seq":0}}\n\n').encode()
         self.tail = (role + ',"seq":1}\n\n').encode()  # the role chunk, before token 0
@@ -196,10 +205,13 @@ class Engine:
         current = int((now + tick_s / 2) // tick_s)
         pending, buckets, delay = self.pending_ticks, self.buckets, self.config.token_delay_s
         written = 0
+        second = int(time.time())
         while pending and pending[0] <= current:
             for job in buckets.pop(heapq.heappop(pending)):
                 if job.cancelled:
                     continue
+                if job.created != second:
+                    job.render(second)
                 k = job.index
                 frame = job.word % ((k, k + 2) if job.seq else k)
                 if k == 0:
