@@ -23,6 +23,8 @@ from core.figures import count_of
 from core.frames import parse_json_object
 from core.sse import SSEEvent, one_data_line
 
+# The delta fields a plain text chunk carries its text in.
+_TEXT_FIELDS = ("content", "reasoning_content")
 # Read per event: a module global costs a fraction of an attribute of the enum class.
 _PING, _DONE, _ERROR, _USAGE, _PROGRESS, _CHUNK = (
     FrameKind.PING, FrameKind.DONE, FrameKind.ERROR, FrameKind.USAGE, FrameKind.PROGRESS,
@@ -72,8 +74,9 @@ def _whole_object(chunk: bytes) -> tuple[bytes, dict[str, Any]] | None:
 # bytes are that text's and nothing else's (``_only_the_text_between``).
 _PROBE = "\x00prefixpin probe\x01"
 _PROBE_JSON = orjson.dumps(_PROBE)[1:-1]
-# A delta's text field as its key and the opening quote of its value, compact JSON.
-_KEYS = {"content": b'"content":"', "reasoning_content": b'"reasoning_content":"'}
+# A delta's text field (of a plain chunk: ``_plain_text_chunk``) as its key and the
+# opening quote of its value, compact JSON.
+_KEYS = {field: b'"%s":"' % field.encode() for field in _TEXT_FIELDS}
 # Plain tokens in a row, none like the one before, after which a stream stops comparing
 # (its token events differ outside their text: a counter, per-token timings).
 _UNALIKE_LIMIT = 8
@@ -131,11 +134,12 @@ class SameShapeTokens:
         if parsed is None:
             return None
         payload, data = parsed
-        if "error" not in data and (
-                plain := _plain_text_chunk(chunk, payload, data)) is not None:
-            self._compare(chunk, data, plain)
-            return plain
-        return _classify_data(chunk, payload, data)
+        if "error" in data:
+            return _classify_data(chunk, payload, data)
+        if (plain := _plain_text_chunk(chunk, payload, data)) is None:
+            return _classify_object(chunk, payload, data)
+        self._compare(chunk, data, plain)
+        return plain
 
     def _compare(self, chunk: bytes, data: dict[str, Any], frame: Frame) -> None:
         """A plain token the shape did not take: its bytes around its text become the
@@ -221,7 +225,7 @@ def _plain_text_chunk(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Fr
     if index != 0 or index is False or type(delta) is not dict or len(delta) != 1:
         return None
     ((field, value),) = delta.items()
-    if type(value) is not str or not value or field not in ("content", "reasoning_content"):
+    if type(value) is not str or not value or field not in _TEXT_FIELDS:
         return None
     frame = Frame.unparsed(_CHUNK, raw, text, None, True, False)
     frame.figured = "timings" in data or "usage" in data
@@ -262,7 +266,7 @@ def _note_plain_delta(frame: Frame, choices: object) -> None:
     if type(delta) is not dict or len(delta) != 1:
         return
     for field, value in delta.items():
-        if type(value) is str and field in ("content", "reasoning_content"):
+        if type(value) is str and field in _TEXT_FIELDS:
             frame.delta_field, frame.delta_text = field, value
 
 

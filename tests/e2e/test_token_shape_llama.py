@@ -9,17 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-import adapters._openai_sse as openai_sse
-from adapters._openai_sse import SameShapeTokens, classify_whole
-from core.frames import Frame
+from adapters._openai_sse import classify_whole
 from tests.rig.llama_process import LlamaServerProcess
-
-
-def fields(frame: Frame | None) -> tuple[Any, ...] | None:
-    if frame is None:
-        return None
-    return (frame.kind, frame.raw, frame.data, frame.progress, frame.has_output, frame.finish,
-            frame.figured, frame.delta_field, frame.delta_text)
+from tests.unit.test_same_shape_tokens import counted_frames
 
 
 def stream_events(llama: LlamaServerProcess, body: dict[str, Any]) -> list[bytes]:
@@ -39,21 +31,11 @@ def test_a_real_streams_tokens_take_the_shortcut_to_the_same_frames(
     body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],
             "stream": True, "max_tokens": 40, "temperature": 0, **extra}
     reads = stream_events(llama, body)
-    expected = [fields(classify_whole(read)) for read in reads]
-    tokens = sum(1 for f in expected if f is not None and f[-1] is not None)
+    tokens = sum(1 for read in reads
+                 if (frame := classify_whole(read)) is not None and frame.delta_text)
     assert tokens >= 30, reads[:5]  # a stream of plain token events to read
-
-    parsed = 0
-    whole = openai_sse._whole_object
-
-    def counting(chunk: bytes) -> Any:
-        nonlocal parsed
-        parsed += 1
-        return whole(chunk)
-
-    monkeypatch.setattr(openai_sse, "_whole_object", counting)
-    shapes = SameShapeTokens()
-    assert [fields(shapes(read)) for read in reads] == expected
+    counted = counted_frames(reads, monkeypatch)  # each read's frame: classify_whole's
     # Two tokens parsed to learn the shape, again for each second "created" moved on;
     # the role, progress, finish and usage events parsed; every other token not.
-    assert parsed <= len(reads) - tokens + 2 + 2 * 3, (parsed, len(reads), tokens)
+    assert counted.parsed <= len(reads) - tokens + 2 + 2 * 3, (counted.parsed, len(reads),
+                                                                tokens)

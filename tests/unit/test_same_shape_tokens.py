@@ -51,10 +51,7 @@ def fields(frame: Frame | None) -> tuple[Any, ...] | None:
 
 def assert_same_frames(reads: list[bytes]) -> None:
     """Each read through one stream's classifier gives ``classify_whole``'s frame."""
-    expected = [fields(classify_whole(read)) for read in reads]
-    shapes = SameShapeTokens()
-    for read, frame in zip(reads, expected, strict=True):
-        assert fields(shapes(read)) == frame, read
+    assert_frames(reads, [fields(classify_whole(read)) for read in reads])
 
 
 def counted_frames(reads: list[bytes], monkeypatch: pytest.MonkeyPatch) -> Counted:
@@ -62,10 +59,14 @@ def counted_frames(reads: list[bytes], monkeypatch: pytest.MonkeyPatch) -> Count
     reference ``classify_whole`` did: its frames are made before the count starts)."""
     expected = [fields(classify_whole(read)) for read in reads]
     counted = Counted(monkeypatch)
+    assert_frames(reads, expected)
+    return counted
+
+
+def assert_frames(reads: list[bytes], expected: list[tuple[Any, ...] | None]) -> None:
     shapes = SameShapeTokens()
     for read, frame in zip(reads, expected, strict=True):
         assert fields(shapes(read)) == frame, read
-    return counted
 
 
 class Counted:
