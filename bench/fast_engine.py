@@ -22,10 +22,11 @@ chunk, as the real server does), after the last token the finish chunk and the u
 has its index in its stream (progress 0, role 1, tokens 2.., finish, usage), so a client
 can check that none was lost, duplicated or reordered: the token events in their text
 (token k says `` w<k>``, its index k + 2), the others in a ``"seq"`` field. A token event
-is byte for byte llama-server's, the same bytes around a new text each time but for
-``created``, the second it was made (a counter in every one would be a shape no engine
-sends, and costs a proxy that reads a stream's token events by their sameness);
-``--seq-in-tokens`` puts ``"seq"`` in them too (the shape this fake had before).
+has llama-server's shape (its fields, in its order, compact): the same bytes around a new
+text each time but for ``created``, the second it was made (a counter in every one would
+be a shape no engine sends, and costs a proxy that reads a stream's token events by their
+sameness); ``--seq-in-tokens`` puts ``"seq"`` in them too (the shape this fake had
+before).
 
 Cheap on purpose: a stream's frames are rendered once, as bytes templates that only take
 the sequence number; one shared ticker (``--tick-ms``) writes the token of every stream

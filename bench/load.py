@@ -25,8 +25,8 @@ the finish and usage chunks, ``[DONE]``.
 
 The client is cheap too: raw asyncio protocols on uvloop, its own chunked-encoding and SSE
 parser. Per stream it checks that the events' indexes run 0, 1, ..., n-1 with no gap,
-repeat or inversion (a token event's from its text, `` w<k>``: the fake's token events are
-llama-server's, byte for byte; the others' from their ``seq``), that n is the same for every
+repeat or inversion (a token event's from its text, `` w<k>``: the fake's token events have
+llama-server's shape; the others' from their ``seq``), that n is the same for every
 stream and arm, and that the stream ends with ``[DONE]``. Per level it reports:
 
 - the proxy's CPU per relayed event: its ``/proc/PID/stat`` utime + stime (every thread)
@@ -836,7 +836,7 @@ def render(result: dict[str, Any]) -> str:
         f"{'on' if setup['implicit_identity'] else 'off'} in the proxy); as many slots as "
         f"streams; ticker {setup['tick_ms']} ms; token events "
         + ("with a `seq` field (`--seq-in-tokens`: not llama-server's shape)"
-           if setup.get("seq_in_tokens") else "llama-server's, byte for byte"),
+           if setup.get("seq_in_tokens") else "in llama-server's shape"),
         f"- per level: {levels[0]['rounds_per_arm'] if levels else '-'} rounds per arm, "
         "alternating direct / proxy (order flipped every round), fresh processes; each "
         f"stream slot runs {levels[0]['waves'] if levels else '-'} requests back to back on "

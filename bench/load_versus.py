@@ -211,7 +211,7 @@ def main() -> int:
         print("\n".join(host_lines()))
         print(f"- alternate: each tree alone, {args.streams} streams x {args.waves} requests "
               f"of {args.events} tokens, {args.rounds} runs per tree; the fake's token events "
-              + ("with a `seq` field" if args.seq_in_tokens else "llama-server's, byte for byte"))
+              + ("with a `seq` field" if args.seq_in_tokens else "in llama-server's shape"))
         report_alternate(result_alone, names)
         return 0
     half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,
