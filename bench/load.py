@@ -823,14 +823,15 @@ def render(result: dict[str, Any]) -> str:
         f"**{result['label']}**", "",
         "```", result["command"], "```", "",
         f"- date: {result['date']}; full run {result['runtime_s']:.0f} s",
-        f"- machine: {machine['cpus']} CPUs, python {machine['python']}, {machine['platform']}; "
+        f"- machine: {machine['cpus']} CPUs, python {machine['python']} (the bench's: the "
+        f"fake's and the client's), {machine['platform']}; "
         f"load average {machine['load_average_start'][0]:.2f} at start, "
         f"{machine['load_average_end'][0]:.2f} at end (the client, the fake and the proxy "
         "share the cores)",
         f"- proxy: `{' '.join(setup['proxy_cmd'])}` from {setup['tree']['root']} "
         f"(commit {setup['tree']['commit'][:9]}, uncommitted product changes: "
         f"{len(setup['tree']['local_changes'])}); features at their defaults, logs at info "
-        "into a file",
+        "into a file; " + interpreter_line(setup["tree"].get("python") or {}),
         f"- fake: `bench/fast_engine.py` ({'uvloop' if setup['uvloop'] else 'asyncio'}), "
         f"/props model_path {setup['model']} (implicit identity "
         f"{'on' if setup['implicit_identity'] else 'off'} in the proxy); as many slots as "
@@ -919,6 +920,17 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def interpreter_line(python: dict[str, Any]) -> str:
+    """The proxy's interpreter and its build, as ``proxy.interpreter`` reads it."""
+    if not python.get("version"):
+        return f"interpreter {python.get('executable', '?')}"
+    flags = [flag for flag, on in (("--enable-optimizations", python.get("enable_optimizations")),
+                                   ("--with-lto", python.get("with_lto"))) if on]
+    return (f"interpreter {python['executable']}: {python.get('implementation', 'CPython')} "
+            f"{python['version']}, {python.get('libpython', '?')} libpython, configured "
+            + (" ".join(flags) if flags else "without --enable-optimizations or --with-lto"))
+
+
 def _latency_rows(r: dict[str, Any]) -> list[str]:
     rows = []
     for name in ("first_event", "last_byte"):
@@ -995,6 +1007,9 @@ def main() -> int:
     parser.add_argument("--proxy-arg", action="append", default=[],
                         help="an extra `prefixpin serve` argument (repeat)")
     parser.add_argument("--tree", type=Path, help="run the proxy from this source tree")
+    parser.add_argument("--proxy-python", help="run the proxy on this interpreter (a venv's "
+                        "python with the proxy's dependencies; the fake and the client stay "
+                        "on this one)")
     parser.add_argument("--label", help="what this run is (the RUN.md heading)")
     parser.add_argument("--profile", action="store_true",
                         help="one level with py-spy on the proxy; writes OUT/profile/ only")
@@ -1005,7 +1020,8 @@ def main() -> int:
     began = time.monotonic()
     load_start = os.getloadavg()
     levels = [int(n) for n in str(args.streams).split(",") if n]
-    tree = Tree.other(args.tree) if args.tree else Tree.this()
+    tree = (Tree.other(args.tree, args.proxy_python) if args.tree
+            else Tree.this(args.proxy_python))
     described = tree.describe()
     label = args.label or (f"tree at {described['commit'][:7]}"
                            + (f", {len(described['local_changes'])} uncommitted product "

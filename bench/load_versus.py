@@ -26,8 +26,10 @@ costs at a given speed.
                                 [--clients separate|shared] [--mode together|alternate]
 
 A tree is a directory holding ``proxy/cli.py`` (a ``git worktree``; this checkout is
-``.``). The absolute figures are not ``bench/load.py``'s (two proxies share the cores):
-the ratios are the result.
+``.``), or ``TREE@PYTHON``: that tree run on another interpreter (a venv's ``python`` with
+the proxy's dependencies), e.g. ``. .@/tmp/venv-sys/bin/python`` to weigh the interpreter's
+build (``bench/trees.py``). The absolute figures are not ``bench/load.py``'s (two proxies
+share the cores): the ratios are the result.
 """
 
 from __future__ import annotations
@@ -59,8 +61,18 @@ def user_seconds(pid: int) -> float:
     return int(fields[11]) / os.sysconf("SC_CLK_TCK")
 
 
-def tree_of(path: str) -> Tree:
-    return Tree.this() if Path(path).resolve() == HERE else Tree.other(Path(path))
+def tree_of(spec: str) -> Tree:
+    """``TREE`` or ``TREE@PYTHON``."""
+    path, _, python = spec.partition("@")
+    if Path(path).resolve() == HERE:
+        return Tree.this(python or None)
+    return Tree.other(Path(path), python or None)
+
+
+def name_of(spec: str) -> str:
+    path, _, python = spec.partition("@")
+    name = Path(path).resolve().name or path
+    return f"{name}@{python}" if python else name
 
 
 def checked_events(streams: list[load.Stream], name: str) -> int:
@@ -193,7 +205,7 @@ def main() -> int:
     parser.add_argument("--waves", type=int, default=3,
                         help="requests per stream in a round (--mode alternate)")
     args = parser.parse_args()
-    names = [Path(t).resolve().name or t for t in args.trees]
+    names = [name_of(t) for t in args.trees]
     if names[0] == names[1]:
         names = ["first", "second"]
     model = load.resolve_model("auto")
@@ -212,6 +224,11 @@ def main() -> int:
         print(f"- alternate: each tree alone, {args.streams} streams x {args.waves} requests "
               f"of {args.events} tokens, {args.rounds} runs per tree; the fake's token events "
               + ("with a `seq` field" if args.seq_in_tokens else "in llama-server's shape"))
+        for name, tree in trees.items():
+            described = tree.describe()
+            print(f"- {name}: {described['root']} at {described['commit'][:9]} "
+                  f"({len(described['local_changes'])} uncommitted product changes); "
+                  + load.interpreter_line(described["python"]))
         report_alternate(result_alone, names)
         return 0
     half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,

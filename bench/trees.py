@@ -12,10 +12,17 @@ the editable install (its import finder comes after ``sys.path``). Which code an
 is checked before the run, not assumed: the same interpreter, environment and working
 directory import ``proxy.cli`` and report its file, which must lie inside the tree
 (recorded in the result with the tree's commit and whether it had local changes).
+
+A tree may run on another interpreter (``python``: a venv made from another Python, with
+the proxy's dependencies installed), e.g. to measure what the interpreter's build costs
+(``bench/load.py --proxy-python``); it then runs with ``PYTHONPATH=TREE`` too, so that it
+imports the tree's code whatever that venv holds, and the interpreter's version and build
+(``proxy.interpreter``) are recorded beside the commit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -26,8 +33,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent  # this tree's root
 
-_PROBE = ("import sys, proxy.cli, adapters; "
-          "print(proxy.cli.__file__); print(adapters.__file__); print(sys.executable)")
+# What an arm's interpreter imports, and its build (``proxy.interpreter``; {} for a tree
+# older than that module).
+_PROBE = """\
+import json, sys, proxy.cli, adapters
+try:
+    from proxy.interpreter import interpreter_build
+    build = interpreter_build().fields()
+except ImportError:
+    build = {}
+print(proxy.cli.__file__); print(adapters.__file__); print(sys.executable)
+print(json.dumps(build))
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,19 +53,23 @@ class Tree:
 
     root: Path
     shadow: bool  # run with PYTHONPATH=root (another tree), else as installed (this tree)
+    python: str = sys.executable  # the interpreter the arm runs on
 
     @classmethod
-    def this(cls) -> Tree:
-        return cls(HERE, shadow=False)
+    def this(cls, python: str | None = None) -> Tree:
+        if python is None:
+            return cls(HERE, shadow=False)
+        return cls(HERE, shadow=True, python=_interpreter(python))
 
     @classmethod
-    def other(cls, path: Path) -> Tree:
+    def other(cls, path: Path, python: str | None = None) -> Tree:
         root = path.resolve()
         if not (root / "proxy" / "cli.py").is_file():
             raise SystemExit(f"--before-tree {path}: no proxy/cli.py there")
         if root == HERE:
             raise SystemExit(f"--before-tree {path} is this tree")
-        return cls(root, shadow=True)
+        return cls(root, shadow=True, python=sys.executable if python is None
+                   else _interpreter(python))
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -57,16 +78,16 @@ class Tree:
         return env
 
     def serve(self) -> list[str]:
-        return [sys.executable, "-m", "proxy.cli", "serve"]
+        return [self.python, "-m", "proxy.cli", "serve"]
 
     def popen_kwargs(self) -> dict[str, Any]:
         return {"env": self.env(), "cwd": str(self.root)}
 
     def describe(self) -> dict[str, Any]:
         """The tree's commit and the files its arm really imports (checked)."""
-        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+        probe = subprocess.run([self.python, "-c", _PROBE], capture_output=True, text=True,
                                check=True, **self.popen_kwargs())
-        cli, adapters, _ = probe.stdout.split("\n", 2)
+        cli, adapters, executable, build = probe.stdout.splitlines()[:4]
         for module in (cli, adapters):
             if not Path(module).resolve().is_relative_to(self.root):
                 raise SystemExit(f"an arm meant to run {self.root} imports {module}")
@@ -74,7 +95,17 @@ class Tree:
                 # Uncommitted changes to the product code the arm ran (other work in the tree).
                 "local_changes": _git(self.root, "status", "--porcelain", "--", "proxy",
                                       "core", "adapters", "fingerprint").splitlines(),
-                "proxy_cli": cli, "adapters": adapters}
+                "proxy_cli": cli, "adapters": adapters,
+                "python": {"executable": executable, **json.loads(build)}}
+
+
+def _interpreter(python: str) -> str:
+    """An interpreter given by path, checked to run (not resolved: a venv's ``python`` is a
+    link, and the venv is what it is run as)."""
+    path = Path(python).absolute()
+    if not os.access(path, os.X_OK) or path.is_dir():
+        raise SystemExit(f"--proxy-python {python}: not an executable file")
+    return str(path)
 
 
 def _git(root: Path, *args: str) -> str:

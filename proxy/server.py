@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import importlib.util
+import logging
 import os
 import signal
 import sys
@@ -19,7 +20,8 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from proxy.app import create_apps
 from proxy.http_limits import http_options
-from proxy.logs import configure
+from proxy.interpreter import interpreter_build
+from proxy.logs import configure, get_logger, log_event
 from proxy.settings import Settings
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
@@ -30,6 +32,8 @@ def serve(settings: Settings) -> int:
         print(f"prefixpin: {problem}", file=sys.stderr)
         return 2
     configure(settings.log_level)
+    # The relay's CPU is mostly the interpreter's: which build runs it is worth a line.
+    log_event(get_logger(), logging.INFO, "interpreter", **interpreter_build().fields())
     if settings.embedded():
         try:
             settings = _with_embedded_model(settings)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from bench.load import interpreter_line
+from bench.load_versus import name_of, tree_of
 from bench.trees import (
     HERE,
     Tree,
@@ -60,3 +63,49 @@ def test_cpu_per_request_skips_processes_the_kernel_did_not_report() -> None:
     per = cpu_per_request_us({"proxy": 1.0, "before": None}, {"proxy": 1.5, "before": 2.0},
                              {"proxy": 500, "before": 500})
     assert per == {"proxy": 1000.0}
+
+
+def test_a_tree_on_a_named_interpreter_imports_the_trees_code() -> None:
+    """``--proxy-python``: the arm runs on that interpreter with PYTHONPATH=the tree (the
+    venv it comes from may hold its own copy of the package), and its build is recorded.
+    (This venv's python, named, stands in for another venv's: a link elsewhere would not
+    be a venv.)"""
+    python = Path(sys.executable)
+    tree = Tree.this(str(python))
+    assert tree.serve()[0] == str(python)
+    assert tree.env()["PYTHONPATH"] == str(HERE)
+    described = tree.describe()
+    assert Path(described["proxy_cli"]).resolve() == HERE / "proxy" / "cli.py"
+    assert described["python"]["executable"] == str(python)
+    assert described["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    line = interpreter_line(described["python"])
+    assert line.startswith(f"interpreter {python}: CPython ")
+    assert described["python"]["libpython"] in line
+
+
+def test_an_interpreter_that_is_not_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="not an executable file"):
+        Tree.this(str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match="not an executable file"):
+        Tree.this(str(tmp_path))
+
+
+def test_interpreter_line_names_the_configure_flags() -> None:
+    assert interpreter_line({"executable": "/x/python", "version": "3.11.2",
+                             "libpython": "static", "enable_optimizations": False,
+                             "with_lto": False}) == (
+        "interpreter /x/python: CPython 3.11.2, static libpython, configured without "
+        "--enable-optimizations or --with-lto")
+    assert interpreter_line({"executable": "/y/python", "version": "3.12.1",
+                             "libpython": "shared", "enable_optimizations": True,
+                             "with_lto": True}).endswith(
+        "shared libpython, configured --enable-optimizations --with-lto")
+    # A tree older than proxy.interpreter reports no build.
+    assert interpreter_line({"executable": "/z/python"}) == "interpreter /z/python"
+
+
+def test_versus_arms_name_their_interpreter() -> None:
+    assert name_of(".") == HERE.name
+    assert name_of(f".@{sys.executable}") == f"{HERE.name}@{sys.executable}"
+    assert tree_of(".") == Tree.this()
+    assert tree_of(f".@{sys.executable}").python == sys.executable
