@@ -75,6 +75,11 @@ def name_of(spec: str) -> str:
     return f"{name}@{python}" if python else name
 
 
+def file_name(name: str) -> str:
+    """An arm's name in a log file's name (``TREE@PYTHON`` holds slashes)."""
+    return name.replace("/", "_")
+
+
 def checked_events(streams: list[load.Stream], name: str) -> int:
     bad = [s for s in streams if s.failed or any(s.problems().values())]
     if bad:
@@ -159,7 +164,8 @@ def alternate(trees: dict[str, Tree], model: str, plan: load.Plan, warm: load.Pl
     for index in range(1, count + 1):
         for name in names if index % 2 else names[::-1]:
             setup = load.Setup(model, trees[name], [], 2.0, logs, seq_in_tokens)
-            with load.engines(setup, f"{name}-{index}", plan.streams, plan) as (ports, pids, _):
+            with load.engines(setup, f"{file_name(name)}-{index}", plan.streams,
+                              plan) as (ports, pids, _):
                 port = ports["proxy"]
                 load.run_async(load.run_round(port, warm, warm.requests("warm", 0)))
                 gc.collect()
@@ -249,7 +255,7 @@ def main() -> int:
             admin = f"{load.HOST}:{load.free_ports()}"
             setup = load.Setup(model, tree, ["--admin-listen", admin], 2.0, logs,
                                args.seq_in_tokens)
-            plog = stack.enter_context(open(logs / f"proxy-{name}.log", "wb"))
+            plog = stack.enter_context(open(logs / f"proxy-{file_name(name)}.log", "wb"))
             proc = stack.enter_context(load.process(
                 setup.proxy_cmd(fake_port, port), f"http://{load.HOST}:{port}/healthz", plog,
                 **tree.popen_kwargs()))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.load import interpreter_line
-from bench.load_versus import name_of, tree_of
+from bench.load_versus import file_name, name_of, tree_of
 from bench.trees import (
     HERE,
     Tree,
@@ -109,3 +109,4 @@ def test_versus_arms_name_their_interpreter() -> None:
     assert name_of(f".@{sys.executable}") == f"{HERE.name}@{sys.executable}"
     assert tree_of(".") == Tree.this()
     assert tree_of(f".@{sys.executable}").python == sys.executable
+    assert "/" not in file_name(name_of(f".@{sys.executable}"))
