@@ -4,9 +4,9 @@ The relay's CPU per event is mostly the interpreter's (``bench/results/load/PROF
 libpython about half of a relayed event's samples), and the same CPython version costs more
 or less by how it was built. A shared ``libpython`` compiled without profile-guided
 optimization or link-time optimization (``--enable-shared`` alone: pyenv's default) took
-about a tenth more CPU per relayed event at 256 streams than Debian's ``python3.11`` (a
-static interpreter built with PGO and LTO), side by side on one machine
-(``bench/results/load/versus/ALTERNATE-interpreter.md``). ``serve`` logs the build at
+about 5% more CPU per relayed event at 256 streams than Debian's ``python3.11`` (a static
+interpreter built with PGO and LTO), side by side on one machine
+(``bench/results/load/versus/ALTERNATE-interpreter.md``: 0.93-0.95x the other way). ``serve`` logs the build at
 start, with that note when it applies: a deployment can pick its interpreter, the proxy
 cannot.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 SLOW_BUILD_NOTE = ("a shared libpython configured without --enable-optimizations or "
-                   "--with-lto (pyenv's default build): about a tenth more CPU per relayed "
-                   "event than a PGO/LTO build (README: the interpreter)")
+                   "--with-lto (pyenv's default build): about 5% more CPU per relayed event "
+                   "than a static PGO/LTO build (README: Benchmarks, the interpreter)")
 
 
 @dataclass(frozen=True, slots=True)
