@@ -1,14 +1,14 @@
 """How the Python running the proxy was built, as far as the build says.
 
-The relay's CPU per event is mostly the interpreter's (``bench/results/load/PROFILE.md``:
-libpython about half of a relayed event's samples), and the same CPython version costs more
-or less by how it was built. A shared ``libpython`` compiled without profile-guided
-optimization or link-time optimization (``--enable-shared`` alone: pyenv's default) took
-about 5% more CPU per relayed event at 256 streams than Debian's ``python3.11`` (a static
-interpreter built with PGO and LTO), side by side on one machine
-(``bench/results/load/versus/ALTERNATE-interpreter.md``: 0.93-0.95x the other way). ``serve`` logs the build at
-start, with that note when it applies: a deployment can pick its interpreter, the proxy
-cannot.
+About half of the relay's CPU per event is the interpreter's
+(``bench/results/load/PROFILE.md``: libpython about half of a relayed event's samples),
+and the same CPython version costs more or less by how it was built. A shared
+``libpython`` compiled without profile-guided or link-time optimization
+(``--enable-shared`` alone: pyenv's default) took about 5% more CPU per relayed event at
+256 streams than Debian's ``python3.11`` (a static interpreter built with PGO and LTO),
+side by side on one machine (``bench/results/load/versus/ALTERNATE-interpreter.md``:
+0.93-0.95x the other way). ``serve`` logs the build at start, with that note when it
+applies: a deployment can pick its interpreter, the proxy cannot.
 """
 
 from __future__ import annotations

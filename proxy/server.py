@@ -32,7 +32,7 @@ def serve(settings: Settings) -> int:
         print(f"prefixpin: {problem}", file=sys.stderr)
         return 2
     configure(settings.log_level)
-    # The relay's CPU is mostly the interpreter's: which build runs it is worth a line.
+    # About half of the relay's CPU is the interpreter's: which build runs it is worth a line.
     log_event(get_logger(), logging.INFO, "interpreter", **interpreter_build().fields())
     if settings.embedded():
         try:
