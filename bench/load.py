@@ -83,7 +83,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench.trees import Tree
+from bench.trees import Tree, tree_line
 
 # An event's index in its stream: a token's text " w<k>" (index k + 2), else its "seq".
 SEQ = re.compile(rb'"content":" w(\d+)"|"seq":\s*(\d+)')
@@ -828,10 +828,8 @@ def render(result: dict[str, Any]) -> str:
         f"load average {machine['load_average_start'][0]:.2f} at start, "
         f"{machine['load_average_end'][0]:.2f} at end (the client, the fake and the proxy "
         "share the cores)",
-        f"- proxy: `{' '.join(setup['proxy_cmd'])}` from {setup['tree']['root']} "
-        f"(commit {setup['tree']['commit'][:9]}, uncommitted product changes: "
-        f"{len(setup['tree']['local_changes'])}); features at their defaults, logs at info "
-        "into a file; " + interpreter_line(setup["tree"].get("python") or {}),
+        f"- proxy: `{' '.join(setup['proxy_cmd'])}` from {tree_line(setup['tree'])}; "
+        "features at their defaults, logs at info into a file",
         f"- fake: `bench/fast_engine.py` ({'uvloop' if setup['uvloop'] else 'asyncio'}), "
         f"/props model_path {setup['model']} (implicit identity "
         f"{'on' if setup['implicit_identity'] else 'off'} in the proxy); as many slots as "
@@ -918,17 +916,6 @@ def render(result: dict[str, Any]) -> str:
         ]
     lines += ["", "Raw figures: `result.json`.", ""]
     return "\n".join(lines)
-
-
-def interpreter_line(python: dict[str, Any]) -> str:
-    """The proxy's interpreter and its build, as ``proxy.interpreter`` reads it."""
-    if not python.get("version"):
-        return f"interpreter {python.get('executable', '?')}"
-    flags = [flag for flag, on in (("--enable-optimizations", python.get("enable_optimizations")),
-                                   ("--with-lto", python.get("with_lto"))) if on]
-    return (f"interpreter {python['executable']}: {python.get('implementation', 'CPython')} "
-            f"{python['version']}, {python.get('libpython', '?')} libpython, configured "
-            + (" ".join(flags) if flags else "without --enable-optimizations or --with-lto"))
 
 
 def _latency_rows(r: dict[str, Any]) -> list[str]:

@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import load
 from bench.provenance import host_lines
-from bench.trees import Tree
+from bench.trees import Tree, tree_line
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -232,9 +232,7 @@ def main() -> int:
               + ("with a `seq` field" if args.seq_in_tokens else "in llama-server's shape"))
         for name, tree in trees.items():
             described = tree.describe()
-            print(f"- {name}: {described['root']} at {described['commit'][:9]} "
-                  f"({len(described['local_changes'])} uncommitted product changes); "
-                  + load.interpreter_line(described["python"]))
+            print(f"- {name}: {tree_line(described)}")
         report_alternate(result_alone, names)
         return 0
     half = load.Plan(args.streams // 2, 1, args.events, args.token_delay_ms, together=False,

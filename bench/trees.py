@@ -99,12 +99,31 @@ class Tree:
                 "python": {"executable": executable, **json.loads(build)}}
 
 
+def interpreter_line(python: dict[str, Any]) -> str:
+    """The proxy's interpreter and its build, as ``proxy.interpreter`` reads it."""
+    if not python.get("version"):
+        return f"interpreter {python.get('executable', '?')}"
+    flags = [flag for flag, on in (("--enable-optimizations", python.get("enable_optimizations")),
+                                   ("--with-lto", python.get("with_lto"))) if on]
+    return (f"interpreter {python['executable']}: {python.get('implementation', 'CPython')} "
+            f"{python['version']}, {python.get('libpython', '?')} libpython, configured "
+            + (" ".join(flags) if flags else "without --enable-optimizations or --with-lto"))
+
+
+def tree_line(described: dict[str, Any]) -> str:
+    """A described tree (``Tree.describe``) in a line: where it is, its commit, its local
+    product changes, the interpreter it ran on."""
+    return (f"{described['root']} (commit {described['commit'][:9]}, uncommitted product "
+            f"changes: {len(described['local_changes'])}); "
+            + interpreter_line(described.get("python") or {}))
+
+
 def _interpreter(python: str) -> str:
     """An interpreter given by path, checked to run (not resolved: a venv's ``python`` is a
     link, and the venv is what it is run as)."""
     path = Path(python).absolute()
     if not os.access(path, os.X_OK) or path.is_dir():
-        raise SystemExit(f"--proxy-python {python}: not an executable file")
+        raise SystemExit(f"interpreter {python}: not an executable file")
     return str(path)
 
 

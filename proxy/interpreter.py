@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import shlex
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ class InterpreterBuild:
 
 
 def interpreter_build(config_var: Callable[[str], Any] = sysconfig.get_config_var,
-                      mapped: Iterable[str] | None = None,
+                      mapped: Sequence[str] | None = None,
                       implementation: str | None = None,
                       version: str | None = None) -> InterpreterBuild:
     """This interpreter's build (or the one ``config_var`` and ``mapped``, the lines of a

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import interpreter_line
 from bench.load_versus import file_name, name_of, tree_of
 from bench.trees import (
     HERE,
     Tree,
     cpu_per_request_us,
     cpu_seconds,
+    interpreter_line,
     paired_median_ms,
     rotated,
+    tree_line,
 )
 
 
@@ -81,6 +82,9 @@ def test_a_tree_on_a_named_interpreter_imports_the_trees_code() -> None:
     line = interpreter_line(described["python"])
     assert line.startswith(f"interpreter {python}: CPython ")
     assert described["python"]["libpython"] in line
+    assert tree_line(described) == (
+        f"{HERE} (commit {described['commit'][:9]}, uncommitted product changes: "
+        f"{len(described['local_changes'])}); {line}")
 
 
 def test_an_interpreter_that_is_not_one_is_refused(tmp_path: Path) -> None:
