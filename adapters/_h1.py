@@ -161,6 +161,11 @@ class _Connection(asyncio.Protocol):
         # While set (``_Body.push``), the body's bytes go to it from the parser's callback as
         # they are read, and nobody is woken until the response ends.
         self.sink: Callable[[bytes], None] | None = None
+        # With the sink: called after each read the parser took whole (``_Body.push``),
+        # with the sink's ``after_read``: where the compiled relay is offered a stream.
+        self.after_read: Callable[[_Connection], None] | None = None
+        # The compiled relay's hold on this connection's reading (``RelayHandoff``), if any.
+        self.relayed_by: RelayHandoff | None = None
         self._in_request = False
         self._lost = False
         self._reading_paused = False
@@ -179,6 +184,7 @@ class _Connection(asyncio.Protocol):
         self._head_done = False
         self._informational = False
         self._framed = False  # content-length or chunked: the body's end is known
+        self.at_chunk_end = False  # the parser is between two chunks of a chunked body
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
@@ -248,6 +254,8 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait arms it again
+        if self.relayed_by is not None:
+            self.relayed_by.reclaim()  # its last read moves the deadline (``RelayHandoff.resume``)
         if self._loop.time() >= self._deadline:
             waiter.set_exception(httpx.ReadTimeout("read timed out",
                                                    request=self._request_or_none()))
@@ -311,6 +319,8 @@ class _Connection(asyncio.Protocol):
             # the sink raised (its error is the reader's: the sink is gone then).
             if self._timeout_s is not None:  # the silence the timeout measures restarts
                 self._deadline = self._loop.time() + self._timeout_s
+            if (after_read := self.after_read) is not None:
+                after_read(self)
             return
         if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
             assert self._transport is not None
@@ -393,6 +403,12 @@ class _Connection(asyncio.Protocol):
         self.chunks.append(body)
         self._buffered += len(body)
 
+    def on_chunk_header(self) -> None:
+        self.at_chunk_end = False
+
+    def on_chunk_complete(self) -> None:
+        self.at_chunk_end = True
+
     def on_message_complete(self) -> None:
         if self._informational:
             self._informational = False
@@ -420,6 +436,58 @@ class _Connection(asyncio.Protocol):
 
     def _request_or_none(self) -> Any:
         return self._request
+
+
+class RelayHandoff:
+    """This connection's reading handed to the compiled relay (``core.compiled_relay``)
+    while a response's body streams: ``fileno`` is its socket's; ``pause`` stops the loop
+    reading it (the compiled relay reads it then), ``resume`` takes it back with the bytes
+    the relay read and did not relay, which the parser reads on from. ``reclaim`` is set
+    by whoever adopts it: it makes the relay give the stream back now (the read timer
+    asks it when it fires; the relay's last read moves the timeout's deadline)."""
+
+    __slots__ = ("_connection", "reclaim")
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self.reclaim: Callable[[], None] = _nothing
+
+    @property
+    def fileno(self) -> int:
+        transport = self._connection._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            raise OSError("the engine connection has no socket")
+        return int(sock.fileno())
+
+    def pause(self) -> None:
+        connection = self._connection
+        assert connection._transport is not None
+        assert connection.relayed_by is None
+        connection._transport.pause_reading()
+        connection.relayed_by = self
+
+    def resume(self, engine: bytes, last_read: float) -> None:
+        """Back from the compiled relay: reading resumes (the socket's own end or error included),
+        after ``engine``, the bytes the compiled relay read and did not relay; ``last_read``: when
+        the compiled relay last read (``time.monotonic()``), the silence the timeout measures."""
+        connection = self._connection
+        if connection.relayed_by is not self:
+            return
+        connection.relayed_by = None
+        if connection._timeout_s is not None:
+            silent = max(0.0, time.monotonic() - last_read)
+            connection._deadline = connection._loop.time() - silent + connection._timeout_s
+        if connection._lost or connection._transport is None:
+            return
+        if not connection._reading_paused:
+            connection._transport.resume_reading()
+        if engine and connection.sink is not None:
+            connection.data_received(engine)
+
+
+def _nothing() -> None:
+    return None
 
 
 class _Body(httpx.AsyncByteStream):
@@ -457,6 +525,7 @@ class _Body(httpx.AsyncByteStream):
         if connection.chunks:  # what arrived before the sink was there
             sink(connection.take())
         connection.sink = sink
+        connection.after_read = getattr(sink, "after_read", None)
         try:
             while True:
                 if connection.sink_error is not None:
@@ -467,7 +536,9 @@ class _Body(httpx.AsyncByteStream):
                     raise connection.error
                 await connection.wait(self._timeout)
         finally:
-            connection.sink = None
+            connection.sink = connection.after_read = None
+            if connection.relayed_by is not None:  # ended while the compiled relay read (a cancel)
+                connection.relayed_by.reclaim()  # what it relayed still reaches the log
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None

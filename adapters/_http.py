@@ -18,7 +18,8 @@ from typing import Any, Protocol, TypeVar, cast
 import httpx
 import orjson
 
-from adapters._h1 import PUSHED_BODY, H1Transport
+from adapters._h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
+from adapters._openai_sse import TokenShape
 from adapters.base import Frame, FrameSink
 from core.errors import (
     UpstreamProtocolError,
@@ -309,16 +310,42 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     decoder's item and a call or two (``adapters._openai_sse.SameShapeTokens``: one per
     stream, it may keep what it learns of the stream's token events)."""
     take_frame, take_frames = sink.take_frame, sink.take_frames
+    last_whole: bytes | None = None  # this read's last piece, if ``whole`` took it
 
     def feed(chunk: bytes) -> None:
+        nonlocal last_whole
         if whole is not None and decoder.idle and (frame := whole(chunk)) is not None:
+            last_whole = chunk
             take_frame(frame)
             return
+        last_whole = None
         items = _decoded(decoder, chunk, what)
         if len(items) == 1:  # one event per read: a token at a time
             take_frame(classify(items[0]))
         elif items:
             take_frames([classify(item) for item in items])
+
+    shape_of: Callable[[], TokenShape | None] | None = getattr(whole, "shape", None)
+    offer_relay: Callable[[RelayHandoff, TokenShape], bool] | None = getattr(
+        sink, "offer_relay", None)
+
+    def after_read(connection: _Connection) -> None:
+        """After a read the connection's parser took whole: the compiled relay is offered
+        the stream when the read ended with a token of the learned shape, between two
+        chunks and two events (the compiled relay starts at a chunk's start), and someone takes
+        offers (``Generation.relay_taker``: a client that can be written by the compiled relay)."""
+        nonlocal last_whole
+        piece, last_whole = last_whole, None
+        if (piece is None or getattr(sink, "relay_taker", None) is None
+                or not connection.at_chunk_end or not decoder.idle
+                or shape_of is None or offer_relay is None):
+            return
+        shape = shape_of()
+        if shape is not None and piece.startswith(shape.head) and piece.endswith(shape.tail):
+            offer_relay(RelayHandoff(connection), shape)
+
+    if shape_of is not None and offer_relay is not None:
+        feed.after_read = after_read  # type: ignore[attr-defined]
 
     with map_httpx_errors(what):
         body = pushed_body(response)

@@ -141,6 +141,13 @@ class SameShapeTokens:
         self._compare(chunk, data, plain)
         return plain
 
+    def shape(self) -> TokenShape | None:
+        """The stream's token shape as learned so far (None before it is): what the relay
+        lane checks an event against, and the frames it makes of what the compiled relay relayed."""
+        if not self._head or self._field is None:
+            return None
+        return TokenShape(self._head, self._tail, self._field, self._figured)
+
     def _compare(self, chunk: bytes, data: dict[str, Any], frame: Frame) -> None:
         """A plain token the shape did not take: its bytes around its text become the
         shape when the last such token's were the same, and the check says so. Bytes
@@ -166,6 +173,43 @@ class SameShapeTokens:
         else:
             self._head = self._tail = b""
             self._learning = False
+
+
+class TokenShape:
+    """A learned token shape (``SameShapeTokens``): the bytes of a token event before its
+    text (``head``, up to and with the opening quote) and after it (``tail``)."""
+
+    __slots__ = ("field", "figured", "head", "tail")
+
+    def __init__(self, head: bytes, tail: bytes, field: str, figured: bool | None) -> None:
+        self.head, self.tail, self.field, self.figured = head, tail, field, figured
+
+    def frames(self, events: bytes, count: int) -> list[Frame]:
+        """The frames of ``count`` token events of this shape, relayed one after another
+        as ``events`` (what ``SameShapeTokens`` makes of each, the event parsed whole where
+        its tail's digits moved on). The compiled relay took each for one only if its text
+        is a JSON string's body (``core/_relay.c``); events that do not split into
+        ``count`` such events are the relay's bug, raised as a protocol error."""
+        head, field, figured = self.head, self.field, self.figured
+        start, cut = len(head) - 1, len(self.tail)
+        pieces = events.split(b"\n\n")
+        if pieces.pop() != b"" or len(pieces) != count:
+            raise UpstreamProtocolError("compiled relay: its events do not split as counted")
+        frames = []
+        for piece in pieces:
+            raw = piece + b"\n\n"
+            # (Its tail may differ in digits: llama-server's ``created`` moves on.)
+            if not raw.startswith(head) or len(raw) <= len(head) + cut:
+                raise UpstreamProtocolError("compiled relay: an event not of its shape")
+            try:
+                text = orjson.loads(raw[start:len(raw) - cut + 1])
+            except orjson.JSONDecodeError as exc:
+                raise UpstreamProtocolError("compiled relay: a token's text is not JSON") from exc
+            frame = Frame.unparsed(_CHUNK, raw, raw[6:-2], None, True, False)
+            frame.figured = figured
+            frame.delta_field, frame.delta_text = field, text
+            frames.append(frame)
+        return frames
 
 
 def _only_the_text_between(chunk: bytes, start: int, end: int, data: dict[str, Any],

@@ -98,6 +98,11 @@ OPTIONS = {"park-ahead": ("park_ahead", "on an engine short of slots, save a ses
                                   "learn another's cached prefixes (system prompts, documents) "
                                   "from cached_tokens (default off: a second namespace on such "
                                   "an engine is refused; env PREFIXPIN_ALLOW_SHARED_CACHE=1)"),
+           "compiled-relay": ("compiled_relay", "relay streamed token events between the engine's "
+                          "socket and the client's in compiled code (core/_relay.c, built on "
+                          "Linux by the install; without it, or with --no-compiled-relay, the "
+                          "Python relay does it all) (default on; env "
+                          "PREFIXPIN_COMPILED_RELAY=0)"),
            "park-shared": ("park_shared", "every engine's --slot-save-path is --park-dir, one "
                            "directory for all engines and replicas: a session parked by one "
                            "engine may be restored into another running the same model "

@@ -35,6 +35,8 @@ import asyncio
 import time
 from typing import Any
 
+from core.compiled_relay import CompiledRelay
+
 # The longest a byte is kept when the turn goes on (checked as other connections write):
 # a turn that reads engine events is a few milliseconds even at hundreds of streams, one
 # that plans a burst of new requests can be tens.
@@ -43,6 +45,9 @@ HOLD_S = 0.002
 # protocol of ``proxy.http_limits``; absent elsewhere: h11, another server, tests' ASGI
 # transports).
 BODY_WRITER = "prefixpin.body_writer"
+# The scope extension holding a request's ``RelayClient`` (beside ``BODY_WRITER``, where the
+# server runs the compiled relay: ``proxy.http_limits``).
+RELAY_CLIENT = "prefixpin.relay_client"
 
 
 class WriteBatch:
@@ -199,3 +204,37 @@ class ChunkedBodyWriter:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
+
+
+class RelayClient:
+    """A streamed response's client socket, for the compiled relay (``core.compiled_relay``), which
+    writes a stream's token events to the socket itself: ``socket()`` is its descriptor
+    once every byte written so far has left (this turn's kept bytes flushed first), or
+    None when the compiled relay must not write (the response not chunked, complete, the client
+    gone, the socket not draining, no socket); ``write_framed`` writes chunk-framed body
+    bytes the compiled relay gave back unwritten, before anything newer."""
+
+    __slots__ = ("_cycle", "relay")
+
+    def __init__(self, cycle: Any, relay: CompiledRelay) -> None:
+        self._cycle = cycle
+        self.relay = relay
+
+    def socket(self) -> int | None:
+        cycle = self._cycle
+        if (cycle.chunked_encoding is not True or cycle.response_complete
+                or cycle.disconnected or cycle.flow.write_paused):
+            return None
+        transport = cycle.transport
+        if not isinstance(transport, BatchedTransport) or transport.is_closing():
+            return None
+        transport.flush()
+        if transport.get_write_buffer_size():
+            return None  # the socket has bytes queued: the compiled relay's would pass them
+        sock = transport.get_extra_info("socket")
+        return None if sock is None else int(sock.fileno())
+
+    def write_framed(self, framed: bytes) -> None:
+        cycle = self._cycle
+        if not (cycle.response_complete or cycle.disconnected):
+            cycle.transport.write(framed)

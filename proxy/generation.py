@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from adapters.base import Frame, FrameKind, Progress, UpstreamStream, pusher_of
 from core.errors import (
@@ -28,6 +29,10 @@ from core.errors import (
     UpstreamStatusError,
 )
 from proxy.logs import get_logger
+
+if TYPE_CHECKING:
+    from adapters._h1 import RelayHandoff
+    from adapters._openai_sse import TokenShape
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 # Read per frame: globals, not enum lookups.
@@ -82,6 +87,12 @@ class Generation:
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._done_callbacks: list[Callable[[Generation], None]] = []
+        # The compiled relay (``core.compiled_relay``): who takes an engine connection's
+        # offer of its token events (the one client's live stream, ``proxy.relay``), and,
+        # while the relay holds them, how to have them back (the log lacks them till then).
+        self.relay_taker: Callable[[RelayHandoff, TokenShape], bool] | None = None
+        self.relay_reclaim: Callable[[], None] | None = None
+        self.compiled_events = 0  # token events the compiled relay wrote (for the log)
 
     @property
     def answered(self) -> bool:
@@ -102,6 +113,7 @@ class Generation:
         self._task = asyncio.create_task(self._run(), name="prefixpin-generation")
 
     def subscribe(self) -> Subscriber:
+        self.reclaim_relay()  # a client joining reads every frame so far
         self._subscribers += 1
         self._subscribed = True
         if self._grace_handle is not None:
@@ -132,9 +144,37 @@ class Generation:
     def changed(self) -> asyncio.Event:
         """The event set at the next change. Take it *before* re-checking state and awaiting:
         an event looked up lazily (inside a task that starts later) can miss a wake-up."""
+        self.reclaim_relay()  # whoever waits for a change reads the log: complete it first
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
         return self._wakeup
+
+    def offer_relay(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
+        """The engine connection offers its token events to the compiled relay (after a read
+        that ended with a token of ``shape``, between two events). Taken only when one
+        client listens and nobody else watches the log (no waiter for a change: a
+        second client, the replicas' tap), by that client (``relay_taker``)."""
+        taker = self.relay_taker
+        if (taker is None or self.relay_reclaim is not None or self.completed
+                or len(self._listeners) != 1 or self._wakeup is not None
+                or self._subscribers != 1):
+            return False
+        return taker(handoff, shape)
+
+    def reclaim_relay(self) -> None:
+        """If the compiled relay holds this generation's token events, have them back now."""
+        if (reclaim := self.relay_reclaim) is not None:
+            reclaim()
+
+    def take_delivered(self, frames: list[Frame], subscriber: Subscriber) -> None:
+        """Token frames the compiled relay already wrote to ``subscriber`` (the one client),
+        into the log: read by nobody else, so no change is announced."""
+        log = self.frames
+        if subscriber.position != len(log):
+            raise RuntimeError("the compiled relay's client was behind the log")
+        log.extend(frames)
+        subscriber.position = len(log)
+        self.compiled_events += len(frames)
 
     def listen(self, listener: Callable[[], None]) -> None:
         """``listener()`` at every change from now on, called by the change itself (in the

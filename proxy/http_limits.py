@@ -13,21 +13,33 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core import compiled_relay as relay_core
 from core.errors import openai_error
-from proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter, WriteBatch
+from proxy.client_writes import (
+    BODY_WRITER,
+    RELAY_CLIENT,
+    BatchedTransport,
+    ChunkedBodyWriter,
+    RelayClient,
+    WriteBatch,
+)
 
 # Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024
 LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and dropped
 
 
-def http_options() -> dict[str, Any]:
+def http_options(*, compiled_relay: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that put these limits in place, and no
     ``X-Forwarded-*`` rewriting of the client's address and scheme: nothing here reads
     either, and uvicorn's middleware for it is one more frame every streamed event's
-    write resumes through."""
+    write resumes through. ``compiled_relay``: the server runs the compiled relay
+    (``core.compiled_relay``) where it is built: each request's scope then carries its
+    ``RelayClient``."""
     try:
-        return {"http": _bounded_httptools_protocol(), "proxy_headers": False}
+        return {"http": _bounded_httptools_protocol(
+            compiled_relay and relay_core.available()),
+                "proxy_headers": False}
     except ImportError:
         return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
                 "proxy_headers": False}
@@ -41,7 +53,7 @@ def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
     return head + body
 
 
-def _bounded_httptools_protocol() -> type[Any]:
+def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -51,6 +63,7 @@ def _bounded_httptools_protocol() -> type[Any]:
         writer of its streamed body's chunks (``proxy.client_writes``)."""
 
         _write_batch: WriteBatch | None = None  # this server's, on its loop
+        _compiled_relay: relay_core.CompiledRelay | None = None  # likewise, if on
         _in_head = True
         _head_bytes = 0
         _tail = b""  # the last bytes of a head so far: its end may straddle two reads
@@ -91,6 +104,15 @@ def _bounded_httptools_protocol() -> type[Any]:
             if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
                 extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
                 extensions[BODY_WRITER] = ChunkedBodyWriter(cycle).write
+                if compiled_relay:
+                    extensions[RELAY_CLIENT] = RelayClient(cycle, self._relay())
+
+        def _relay(self) -> relay_core.CompiledRelay:
+            cls = type(self)
+            current = cls._compiled_relay
+            if current is None or current.loop is not self.loop:
+                current = cls._compiled_relay = relay_core.CompiledRelay(self.loop)
+            return current
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

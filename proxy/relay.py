@@ -23,10 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from adapters._h1 import RelayHandoff
+from adapters._openai_sse import TokenShape
 from adapters.base import FrameKind, Progress
+from core.compiled_relay import GivenBack
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
-from proxy.client_writes import BODY_WRITER
+from proxy.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
 from proxy.codecs import Codec, codec_of
 from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
 from proxy.generation import Generation, Subscriber
@@ -115,9 +118,15 @@ class LiveStream(StreamResponse):
         self._quiet_until = 0.0  # the next heartbeat is due then, unless something is sent
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        # The compiled relay (``core.compiled_relay``), where the server runs it: this
+        # client's socket for it, and its hold on this stream's token events, if any.
+        self._relay_client: RelayClient | None = None
+        self._held: _Held | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._write_body = (scope.get("extensions") or {}).get(BODY_WRITER)
+        extensions = scope.get("extensions") or {}
+        self._write_body = extensions.get(BODY_WRITER)
+        self._relay_client = extensions.get(RELAY_CLIENT)
         await super().__call__(scope, receive, send)
 
     async def write(self, send: Send) -> None:
@@ -132,12 +141,18 @@ class LiveStream(StreamResponse):
             await send(_body(opening))
             self._send = send
             generation.listen(self._on_change)
+            if self._relay_client is not None and self._write_body is not None:
+                generation.relay_taker = self._take_relay
             await self._follow(send)
             if tail := self._encode.flush():
                 await send(_body(tail))
             if generation.error is not None and not generation.completed:
                 await send(_body(codec.late_error(generation.error)))
         finally:
+            if self._held is not None:  # (the client left, or a write failed)
+                self._held.reclaim()
+            if generation.relay_taker == self._take_relay:
+                generation.relay_taker = None
             generation.unlisten(self._on_change)
             if self._timer is not None:
                 self._timer.cancel()
@@ -245,11 +260,86 @@ class LiveStream(StreamResponse):
         self._timer = None
         if not self._asleep:
             return  # awake: the next sleep arms it again
+        if self._held is not None:  # what the compiled relay wrote moves the silence's start
+            self._held.reclaim()  # (a change it brings that wakes the task: _wake is a no-op)
         now = time.monotonic()
         if now >= self._quiet_until - TIMER_SLACK_S:
             self._wake(False)
         else:  # something was sent since it was armed: the silence starts later
             self._arm(asyncio.get_running_loop(), self._quiet_until, now)
+
+
+    def _take_relay(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
+        """The engine connection's offer (``Generation.offer_relay``): the compiled relay relays
+        this stream's token events from now on, if this client is caught up and idle
+        (asleep, nothing handed over or failed, every frame of the log written) and its
+        socket can be written by the compiled relay."""
+        client = self._relay_client
+        if (client is None or self._held is not None or not self._asleep
+                or self._handed is not None or self._failed is not None
+                or not self._encode.passes_tokens()
+                or self._subscriber.position != len(self._generation.frames)):
+            return False
+        client_fd = client.socket()
+        if client_fd is None:
+            return False
+        try:
+            engine_fd = handoff.fileno
+        except OSError:
+            return False
+        leg = _Held(self, handoff, shape)
+        handoff.pause()
+        try:
+            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, leg)
+        except OSError:
+            handoff.resume(b"", time.monotonic())
+            return False
+        self._held = leg
+        handoff.reclaim = self._generation.relay_reclaim = leg.reclaim
+        return True
+
+    def _relay_gave_back(self, leg: _Held, back: GivenBack) -> None:
+        """The compiled relay let this stream go: its relayed tokens into the log (written to this
+        client already), then the client bytes it did not write, then the engine bytes it
+        did not relay, to the connection (what they hold is written as any change is)."""
+        if self._held is not leg:
+            return
+        self._held = None
+        self._generation.relay_reclaim = None
+        leg.handoff.reclaim = _no_reclaim
+        try:
+            if back.count:
+                self._generation.take_delivered(leg.shape.frames(back.relayed, back.count),
+                                                self._subscriber)
+        finally:
+            if back.unsent and self._relay_client is not None:
+                self._relay_client.write_framed(back.unsent)
+            if back.count:
+                self._quiet_until = max(self._quiet_until, back.last_write + self._heartbeat_s)
+            leg.handoff.resume(back.engine, back.last_read)
+
+
+class _Held:
+    """A live stream's token events in the compiled relay (the token it holds them by)."""
+
+    __slots__ = ("_stream", "handoff", "shape")
+
+    def __init__(self, stream: LiveStream, handoff: RelayHandoff, shape: TokenShape) -> None:
+        self._stream = stream
+        self.handoff = handoff
+        self.shape = shape
+
+    def reclaim(self) -> None:
+        client = self._stream._relay_client
+        if client is not None:
+            client.relay.reclaim(self)
+
+    def given_back(self, back: GivenBack) -> None:
+        self._stream._relay_gave_back(self, back)
+
+
+def _no_reclaim() -> None:
+    return None
 
 
 class _Handed:

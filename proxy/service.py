@@ -314,6 +314,8 @@ class ProxyService:
             plan.notes["cached_tokens_estimated"] = estimated
         if figures.load_ms is not None:
             plan.notes["load_ms"] = round(figures.load_ms, 1)
+        if generation.compiled_events:
+            plan.notes["compiled_relay_events"] = generation.compiled_events
         if figures.prompt_tokens is not None and outcome == "ok":
             self._observe_cache(self.backend.label, client.api, figures, estimated)
         timeline = generation.timeline

@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_messages: int = Field(100_000, ge=1)
+    compiled_relay: bool = Field(True, description="Relay token events in compiled code "
+                             "(core._relay) where it is built")
     retry_grace_s: float = Field(30.0, ge=0, description="Keep a generation whose clients left")
     queue_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a free slot")
 

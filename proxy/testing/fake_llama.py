@@ -51,6 +51,8 @@ class FakeLlamaConfig:
     events_per_write: int = 1  # >1 batches SSE events per socket write, as a busy server does
     model: str = "fake-model.gguf"
     sequence: bool = False  # every JSON event carries "seq", its index in the stream
+    fault_at: int = 1  # the token index a mid-stream fault replaces
+    stall_s: float = 0.0  # the "stall" fault: this long silent before that token
     # The --cache-ram this fake declares in /props (``cache_ram``, MiB): 0 says its prompt
     # cache stays per slot. None: not declared, and the proxy assumes a shared host cache
     # (its flags are not readable: proxy.engines.read_engine).
@@ -232,25 +234,27 @@ class FakeLlamaServer:
             if chat:
                 yield emit(_role_chunk(envelope, chat, role_only=True))
             for index, word in enumerate(words):
-                if fault == "bad_json" and index == 1:
+                if fault == "bad_json" and index == self.config.fault_at:
                     yield b"data: {not json\n\n"
                     return
-                if fault == "non_object" and index == 1:
+                if fault == "non_object" and index == self.config.fault_at:
                     yield b"data: [1, 2, 3]\n\n"
                     return
-                if fault == "huge_event" and index == 1:
+                if fault == "huge_event" and index == self.config.fault_at:
                     yield b"data: {\"x\": \""
                     for _ in range(HUGE_EVENT_BYTES // 65536):
                         yield b"x" * 65536
                     await asyncio.sleep(3600)
-                if fault == "crash" and index == 1:
+                if fault == "crash" and index == self.config.fault_at:
                     raise RuntimeError("fault injected: the engine died mid-stream")
-                if fault == "close" and index == 1:
+                if fault == "close" and index == self.config.fault_at:
                     return
-                if fault == "error_event" and index == 1:
+                if fault == "error_event" and index == self.config.fault_at:
                     yield emit({"error": {"code": 500, "message": "fault injected",
                                           "type": "server_error"}})
                     return
+                if fault == "stall" and index == self.config.fault_at:
+                    await asyncio.sleep(self.config.stall_s)
                 if self.config.token_delay_s:
                     await asyncio.sleep(self.config.token_delay_s)
                 yield emit(_delta_chunk(envelope, chat, word))

@@ -1,0 +1,552 @@
+/* The compiled relay: a stream's token events moved from the engine's socket to the client's
+ * in C, on the event loop's own thread (see core/compiled_relay.py for the contract).
+ *
+ * A Relay is an epoll set of adopted engine sockets. The asyncio loop watches the set's one
+ * descriptor; when it is readable Python calls run() once, which reads every ready engine
+ * socket, takes its whole HTTP/1.1 chunks, splits their bytes into SSE events and, for each
+ * event of the stream's learned token shape (the same bytes before and after a valid JSON
+ * string), adds it, chunk-framed, to the client's bytes of this turn; then writes each
+ * client once. Nothing per event touches a Python object.
+ *
+ * Anything else gives the stream back to Python (run() returns it): an event of another
+ * shape (the finish, the usage, an error), a chunk it does not take (the body's end, an
+ * extension, a malformed size), the engine's end of file or a read error, a client write
+ * that is not taken whole (a slow reader: Python's transport buffers the rest, with its
+ * flow control), or a failed one. What is given back is exact: the events relayed since
+ * the adoption (for the generation's log), the engine bytes not relayed, chunk-framed from
+ * a chunk's start (Python's HTTP parser reads on from them), and the client bytes not
+ * written. Both sockets are duplicated at adoption, so a descriptor number the loop closes
+ * and reuses meanwhile is never written to; the duplicates are closed at the give-back.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define READ_SIZE 65536
+#define MAX_SIZE_LINE 16   /* hex digits of a chunk size (a 64-bit size, no extension) */
+#define MAX_PENDING 65536  /* undelimited event bytes before the stream is given back */
+#define MAX_EVENTS 512     /* ready sockets taken per epoll_wait */
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+} buf_t;
+
+static int buf_append(buf_t *b, const char *d, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (cap < b->len + n) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (p == NULL) return -1;
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->len, d, n);
+    b->len += n;
+    return 0;
+}
+
+static void buf_consume(buf_t *b, size_t n) {
+    if (n >= b->len) {
+        b->len = 0;
+        return;
+    }
+    memmove(b->p, b->p + n, b->len - n);
+    b->len -= n;
+}
+
+typedef struct stream {
+    struct stream *prev, *next; /* the compiled relay's adopted streams */
+    struct stream *ready;       /* this turn's */
+    int engine_fd, client_fd;   /* duplicates, owned */
+    PyObject *token;
+    char *head, *tail;
+    size_t head_len, tail_len;
+    buf_t raw;     /* engine bytes not taken yet, from a chunk's start */
+    buf_t sse;     /* bytes of whole chunks not taken as whole events yet */
+    buf_t out;     /* chunk-framed events for the client, not written yet */
+    buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
+    Py_ssize_t count;
+    double last_read, last_write;
+    int done;
+} stream_t;
+
+typedef struct {
+    PyObject_HEAD
+    int epfd;
+    stream_t *streams;
+} Relay;
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void stream_free(stream_t *s) {
+    if (s->engine_fd >= 0) close(s->engine_fd);
+    if (s->client_fd >= 0) close(s->client_fd);
+    free(s->raw.p);
+    free(s->sse.p);
+    free(s->out.p);
+    free(s->relayed.p);
+    free(s->head);
+    free(s->tail);
+    Py_XDECREF(s->token);
+    free(s);
+}
+
+static int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* Whether p[0:n] is the body of a JSON string of one character or more that needs no
+ * decoding beyond the two-character escapes: no control character, no unescaped quote,
+ * no \u escape (those streams' events go through Python), well-formed UTF-8 (no
+ * surrogate, no overlong form). Anything it accepts, a JSON parser reads as a string. */
+int plain_json_text_c(const unsigned char *p, size_t n) {
+    if (n == 0) return 0;
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = p[i];
+        if (c < 0x20 || c == '"') return 0;
+        if (c == '\\') {
+            if (i + 1 >= n) return 0;
+            switch (p[i + 1]) {
+            case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't':
+                i += 2;
+                continue;
+            default:
+                return 0;
+            }
+        }
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t k;
+        unsigned int cp;
+        if ((c & 0xE0) == 0xC0) {
+            k = 1;
+            cp = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            k = 2;
+            cp = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            k = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (i + k >= n) return 0;
+        for (size_t j = 1; j <= k; j++) {
+            if ((p[i + j] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (p[i + j] & 0x3F);
+        }
+        if ((k == 1 && cp < 0x80) || (k == 2 && cp < 0x800) || (k == 3 && cp < 0x10000) ||
+            cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return 0;
+        i += k + 1;
+    }
+    return 1;
+}
+
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+
+/* Whether an event's tail is the learned one, but for digits that are not the first of
+ * their run (llama-server's "created" moves on every second): the same JSON, a number's
+ * or a string's digits changed, never a number's leading digit (no new leading zero). */
+static int same_tail(const char *e, const char *t, size_t n) {
+    if (memcmp(e, t, n) == 0) return 1;
+    for (size_t i = 0; i < n; i++) {
+        if (e[i] == t[i]) continue;
+        if (i == 0 || !is_digit(e[i]) || !is_digit(t[i]) || !is_digit(e[i - 1])) return 0;
+    }
+    return 1;
+}
+
+static int is_token_event(const stream_t *s, const char *e, size_t n) {
+    if (n < s->head_len + s->tail_len + 1) return 0;
+    if (memcmp(e, s->head, s->head_len) != 0) return 0;
+    if (!same_tail(e + n - s->tail_len, s->tail, s->tail_len)) return 0;
+    return plain_json_text_c((const unsigned char *)e + s->head_len,
+                                n - s->head_len - s->tail_len);
+}
+
+/* The whole events of s->sse that are tokens, framed into s->out; done at another. */
+static void take_events(stream_t *s) {
+    size_t at = 0;
+    while (!s->done) {
+        char *start = s->sse.p + at;
+        char *end = memmem(start, s->sse.len - at, "\n\n", 2);
+        if (end == NULL) break;
+        size_t n = (size_t)(end - start) + 2;
+        if (!is_token_event(s, start, n)) {
+            s->done = 1;
+            break;
+        }
+        char size_line[24];
+        int h = snprintf(size_line, sizeof size_line, "%zx\r\n", n);
+        if (buf_append(&s->out, size_line, (size_t)h) < 0 || buf_append(&s->out, start, n) < 0 ||
+            buf_append(&s->out, "\r\n", 2) < 0 || buf_append(&s->relayed, start, n) < 0) {
+            s->done = 1; /* out of memory: Python's path has the rest (and says so) */
+            break;
+        }
+        s->count++;
+        at += n;
+    }
+    /* ... which the relayed copy shares: what is left starts at an event (the one given
+     * back, or the start of one not whole yet). */
+    buf_consume(&s->sse, at);
+    if (!s->done && s->sse.len > MAX_PENDING) s->done = 1;
+}
+
+/* Whole chunks from s->raw into s->sse, their events into s->out, until done or short. */
+static void take_chunks(stream_t *s) {
+    size_t at = 0;
+    while (!s->done) {
+        const char *r = s->raw.p + at;
+        size_t left = s->raw.len - at;
+        size_t line = 0;
+        while (line < left && line <= MAX_SIZE_LINE && r[line] != '\r') line++;
+        if (line > MAX_SIZE_LINE || line == 0) {
+            if (line > 0 || left > 0) s->done = 1; /* not a size it takes */
+            break;
+        }
+        if (line + 1 >= left) break; /* the size line is not whole yet */
+        if (r[line + 1] != '\n') {
+            s->done = 1;
+            break;
+        }
+        size_t size = 0;
+        for (size_t i = 0; i < line; i++) {
+            int v = hex_digit(r[i]);
+            if (v < 0) {
+                s->done = 1; /* an extension, or not a size: the parser's to judge */
+                break;
+            }
+            size = size * 16 + (size_t)v;
+        }
+        if (s->done) break;
+        if (size == 0) {
+            s->done = 1; /* the body's end: Python's parser reads it */
+            break;
+        }
+        if (size > MAX_PENDING || left - line - 2 < size + 2) {
+            if (size > MAX_PENDING) s->done = 1;
+            break;
+        }
+        if (r[line + 2 + size] != '\r' || r[line + 3 + size] != '\n') {
+            s->done = 1;
+            break;
+        }
+        if (buf_append(&s->sse, r + line + 2, size) < 0) {
+            s->done = 1;
+            break;
+        }
+        at += line + 2 + size + 2;
+        take_events(s);
+    }
+    buf_consume(&s->raw, at);
+}
+
+/* Reads until a short read (one recv per event, mostly); the peer's end (EPOLLRDHUP,
+ * EPOLLHUP, EPOLLERR in ``events``) gives the stream back after what is there. */
+static void read_engine(stream_t *s, uint32_t events) {
+    char tmp[READ_SIZE];
+    int ended = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+    for (;;) {
+        ssize_t r = recv(s->engine_fd, tmp, sizeof tmp, MSG_DONTWAIT);
+        if (r > 0) {
+            s->last_read = monotonic();
+            if (buf_append(&s->raw, tmp, (size_t)r) < 0) {
+                s->done = 1;
+                return;
+            }
+            if ((size_t)r < sizeof tmp) break;
+            continue;
+        }
+        if (r == 0) {
+            ended = 1; /* the end of file stays: Python's read finds it again */
+        } else if (errno == EINTR) {
+            continue;
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            ended = 1; /* so does the error (its own read fails the same way) */
+        }
+        break;
+    }
+    take_chunks(s); /* what arrived before the end is relayed as any other */
+    if (ended) s->done = 1;
+}
+
+static void write_client(stream_t *s) {
+    size_t sent = 0;
+    while (sent < s->out.len) {
+        ssize_t w = send(s->client_fd, s->out.p + sent, s->out.len - sent,
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w > 0) {
+            sent += (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        s->done = 1; /* a slow reader, or a failed write: Python's transport has the rest */
+        break;
+    }
+    if (sent) s->last_write = monotonic();
+    buf_consume(&s->out, sent);
+}
+
+static void unlink_stream(Relay *relay, stream_t *s) {
+    epoll_ctl(relay->epfd, EPOLL_CTL_DEL, s->engine_fd, NULL);
+    if (s->prev) s->prev->next = s->next;
+    else relay->streams = s->next;
+    if (s->next) s->next->prev = s->prev;
+    s->prev = s->next = NULL;
+}
+
+/* (token, relayed, count, engine_bytes, unsent, last_read, last_write); frees the stream. */
+static PyObject *give_back(Relay *relay, stream_t *s) {
+    unlink_stream(relay, s);
+    PyObject *engine;
+    if (s->sse.len) {
+        char size_line[24];
+        int h = snprintf(size_line, sizeof size_line, "%zx\r\n", s->sse.len);
+        size_t total = (size_t)h + s->sse.len + 2 + s->raw.len;
+        engine = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+        if (engine) {
+            char *g = PyBytes_AS_STRING(engine);
+            memcpy(g, size_line, (size_t)h);
+            memcpy(g + h, s->sse.p, s->sse.len);
+            memcpy(g + h + s->sse.len, "\r\n", 2);
+            if (s->raw.len) memcpy(g + h + s->sse.len + 2, s->raw.p, s->raw.len);
+        }
+    } else {
+        engine = PyBytes_FromStringAndSize(s->raw.p ? s->raw.p : "", (Py_ssize_t)s->raw.len);
+    }
+    PyObject *item = NULL;
+    if (engine) {
+        item = Py_BuildValue("(Oy#nNy#dd)", s->token, s->relayed.p ? s->relayed.p : "",
+                             (Py_ssize_t)s->relayed.len, s->count, engine,
+                             s->out.p ? s->out.p : "", (Py_ssize_t)s->out.len, s->last_read,
+                             s->last_write);
+    }
+    stream_free(s);
+    return item;
+}
+
+static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Relay() takes no arguments");
+        return NULL;
+    }
+    Relay *self = (Relay *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->streams = NULL;
+    self->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (self->epfd < 0) {
+        Py_DECREF(self);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return (PyObject *)self;
+}
+
+static void drop_all(Relay *self) {
+    while (self->streams) {
+        stream_t *s = self->streams;
+        unlink_stream(self, s);
+        stream_free(s);
+    }
+}
+
+static void Lane_dealloc(Relay *self) {
+    drop_all(self);
+    if (self->epfd >= 0) close(self->epfd);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Lane_fileno(Relay *self, PyObject *unused) {
+    if (self->epfd < 0) {
+        PyErr_SetString(PyExc_ValueError, "the compiled relay is closed");
+        return NULL;
+    }
+    return PyLong_FromLong(self->epfd);
+}
+
+static PyObject *Lane_adopt(Relay *self, PyObject *args) {
+    int engine_fd, client_fd;
+    const char *head, *tail;
+    Py_ssize_t head_len, tail_len;
+    PyObject *token;
+    if (!PyArg_ParseTuple(args, "iiy#y#O:adopt", &engine_fd, &client_fd, &head, &head_len,
+                          &tail, &tail_len, &token))
+        return NULL;
+    if (self->epfd < 0) {
+        PyErr_SetString(PyExc_ValueError, "the compiled relay is closed");
+        return NULL;
+    }
+    if (head_len == 0 || tail_len == 0) {
+        PyErr_SetString(PyExc_ValueError, "a token shape needs a head and a tail");
+        return NULL;
+    }
+    stream_t *s = calloc(1, sizeof *s);
+    if (s == NULL) return PyErr_NoMemory();
+    s->engine_fd = s->client_fd = -1;
+    s->head = malloc((size_t)head_len);
+    s->tail = malloc((size_t)tail_len);
+    if (s->head == NULL || s->tail == NULL) {
+        stream_free(s);
+        return PyErr_NoMemory();
+    }
+    memcpy(s->head, head, (size_t)head_len);
+    memcpy(s->tail, tail, (size_t)tail_len);
+    s->head_len = (size_t)head_len;
+    s->tail_len = (size_t)tail_len;
+    s->last_read = s->last_write = monotonic();
+    s->engine_fd = fcntl(engine_fd, F_DUPFD_CLOEXEC, 0);
+    s->client_fd = fcntl(client_fd, F_DUPFD_CLOEXEC, 0);
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = s};
+    if (s->engine_fd < 0 || s->client_fd < 0 ||
+        epoll_ctl(self->epfd, EPOLL_CTL_ADD, s->engine_fd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        stream_free(s);
+        return NULL;
+    }
+    Py_INCREF(token);
+    s->token = token;
+    s->next = self->streams;
+    if (self->streams) self->streams->prev = s;
+    self->streams = s;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lane_run(Relay *self, PyObject *unused) {
+    PyObject *back = PyList_New(0);
+    if (back == NULL || self->epfd < 0) return back;
+    struct epoll_event events[MAX_EVENTS];
+    int n = epoll_wait(self->epfd, events, MAX_EVENTS, 0);
+    if (n < 0) {
+        if (errno == EINTR) return back;
+        Py_DECREF(back);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    stream_t *ready = NULL;
+    for (int i = 0; i < n; i++) {
+        stream_t *s = events[i].data.ptr;
+        read_engine(s, events[i].events);
+        s->ready = ready;
+        ready = s;
+    }
+    /* Every client written once, after every read of the turn. */
+    for (stream_t *s = ready, *next; s != NULL; s = next) {
+        next = s->ready;
+        if (s->out.len) write_client(s);
+        if (!s->done) continue;
+        PyObject *item = give_back(self, s);
+        if (item == NULL || PyList_Append(back, item) < 0) {
+            /* The rest are still given back at their next read, or by reclaim(). */
+            Py_XDECREF(item);
+            Py_DECREF(back);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return back;
+}
+
+static PyObject *Lane_reclaim(Relay *self, PyObject *token) {
+    for (stream_t *s = self->streams; s != NULL; s = s->next) {
+        if (s->token == token) return give_back(self, s);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lane_drop(Relay *self, PyObject *token) {
+    for (stream_t *s = self->streams; s != NULL; s = s->next) {
+        if (s->token == token) {
+            unlink_stream(self, s);
+            stream_free(s);
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Lane_close(Relay *self, PyObject *unused) {
+    drop_all(self);
+    if (self->epfd >= 0) close(self->epfd);
+    self->epfd = -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lane_len(Relay *self, PyObject *unused) {
+    Py_ssize_t n = 0;
+    for (stream_t *s = self->streams; s != NULL; s = s->next) n++;
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *plain_text_py(PyObject *module, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    int ok = plain_json_text_c(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"fileno", (PyCFunction)Lane_fileno, METH_NOARGS,
+     "The epoll descriptor the event loop watches."},
+    {"adopt", (PyCFunction)Lane_adopt, METH_VARARGS,
+     "adopt(engine_fd, client_fd, head, tail, token): relay the stream's token events."},
+    {"run", (PyCFunction)Lane_run, METH_NOARGS,
+     "One turn: relay what is ready; the streams given back."},
+    {"reclaim", (PyCFunction)Lane_reclaim, METH_O,
+     "reclaim(token): give the stream back now (None if the compiled relay does not hold it)."},
+    {"drop", (PyCFunction)Lane_drop, METH_O,
+     "drop(token): forget the stream, giving nothing back (its connection is closing)."},
+    {"close", (PyCFunction)Lane_close, METH_NOARGS, "Forget every stream; close the set."},
+    {"held", (PyCFunction)Lane_len, METH_NOARGS, "How many streams the compiled relay holds."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "core._relay.Relay",
+    .tp_basicsize = sizeof(Relay),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Token events relayed between sockets in C (core/compiled_relay.py).",
+    .tp_new = Lane_new,
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_methods = Lane_methods,
+};
+
+static PyMethodDef module_methods[] = {
+    {"plain_json_text", (PyCFunction)plain_text_py, METH_O,
+     "Whether the bytes are a JSON string's body the compiled relay relays (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef relay_module = {PyModuleDef_HEAD_INIT, "core._relay", NULL, -1,
+                                         module_methods};
+
+PyMODINIT_FUNC PyInit__relay(void) {
+    if (PyType_Ready(&LaneType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&relay_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&LaneType);
+    if (PyModule_AddObject(m, "Relay", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(&LaneType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

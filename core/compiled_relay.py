@@ -1,0 +1,116 @@
+"""The compiled relay: a stream's token events moved between its two sockets in C.
+
+Per event, the pure-Python relay runs the loop's read callback, the HTTP parser's, the SSE
+decoder, the frame, the generation's log and the client's write: about two thirds of the
+proxy's CPU per event once the kernel's share is left out (``bench/results/load``). Once a
+stream's token events have a learned shape (``adapters._openai_sse.SameShapeTokens``) and
+one client reads it, the compiled relay (``core/_relay.c``) takes both sockets: the loop watches one
+epoll descriptor for every adopted engine socket, and each turn one call reads them all,
+writes each client's token events once, chunk-framed, and returns the streams it gives
+back. It gives a stream back at the first event that is not a token of its shape (the
+finish, the usage, an error), at the body's end, an engine end of file or error, and a
+client write not taken whole; Python can reclaim a stream at any moment (a second client
+joins, a heartbeat or read timer fires, the client leaves). What comes back is exact
+(``GivenBack``): the events relayed (the generation's log gets them then), the engine bytes
+not relayed (its HTTP parser reads on from them) and the client bytes not written (its
+transport writes them before anything newer).
+
+Only Linux builds the extension (epoll); without it ``available()`` is False and every
+stream takes the Python path, which stays complete on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+try:
+    from core._relay import Relay
+except ImportError:  # not built here (no compiler, not Linux): the Python path does it all
+    Relay = None  # type: ignore[assignment,misc,unused-ignore]
+
+
+def available() -> bool:
+    """Whether the compiled relay is importable on this install."""
+    return Relay is not None
+
+
+@dataclass(frozen=True, slots=True)
+class GivenBack:
+    """A stream the compiled relay let go. ``relayed``: the token events written to the client since
+    the adoption, as the engine sent them (``count`` of them); ``engine``: the engine's
+    bytes not relayed, chunk-framed from a chunk's start; ``unsent``: chunk-framed client
+    bytes not written yet; ``last_read``/``last_write``: ``time.monotonic()`` of its last
+    read of the engine and write to the client (the adoption's time if none)."""
+
+    relayed: bytes
+    count: int
+    engine: bytes
+    unsent: bytes
+    last_read: float
+    last_write: float
+
+
+class Leg(Protocol):
+    """What the compiled relay hands a stream back to (the token the stream was adopted with)."""
+
+    def given_back(self, back: GivenBack) -> None: ...
+
+
+class CompiledRelay:
+    """One loop's compiled relay. ``adopt`` a stream; what it gives back reaches its ``Leg``, from
+    the loop's callback (``run``) or from ``reclaim`` itself."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        if Relay is None:
+            raise RuntimeError("the compiled relay's extension (core._relay) is not built")
+        self.loop = loop
+        self._core = Relay()
+        self._fd = self._core.fileno()
+        loop.add_reader(self._fd, self.run)
+        self.adopted = 0  # streams adopted so far (a stream adopted again counts again)
+        self.relayed = 0  # token events the compiled relay wrote (as given back so far)
+
+    def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
+              leg: Leg) -> None:
+        """The compiled relay relays the stream's token events from now on: the engine socket's
+        reading must be paused in the loop, and every byte written to the client so far
+        must have left (the compiled relay writes to the socket itself)."""
+        self._core.adopt(engine_fd, client_fd, head, tail, leg)
+        self.adopted += 1
+
+    def run(self) -> None:
+        """One turn of the compiled relay (the loop's callback when its descriptor is readable)."""
+        for item in self._core.run():
+            self._hand_back(item)
+
+    def reclaim(self, leg: Leg) -> bool:
+        """Give the stream back now (its ``given_back`` runs before this returns); False
+        when the compiled relay does not hold it."""
+        item = self._core.reclaim(leg)
+        if item is None:
+            return False
+        self._hand_back(item)
+        return True
+
+    def drop(self, leg: Leg) -> bool:
+        """Forget the stream without giving anything back (its connections are closing)."""
+        return bool(self._core.drop(leg))
+
+    @property
+    def held(self) -> int:
+        return int(self._core.held())
+
+    def close(self) -> None:
+        self.loop.remove_reader(self._fd)
+        self._core.close()
+
+    def _hand_back(self, item: tuple[Leg, bytes, int, bytes, bytes, float, float]) -> None:
+        leg, relayed, count, engine, unsent, last_read, last_write = item
+        self.relayed += count
+        try:
+            leg.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write))
+        except Exception as exc:  # one stream's failure: never the other streams' turn
+            self.loop.call_exception_handler({
+                "message": "a stream given back by the compiled relay failed", "exception": exc})

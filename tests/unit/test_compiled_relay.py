@@ -1,0 +1,304 @@
+"""The compiled relay's C core (``core/_relay.c``) on real sockets: socket pairs stand for the
+engine's connection and the client's. What it relays, what it gives back, and that the
+two together are always exactly what the engine sent."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.rig.parts import require_compiled_relay
+
+require_compiled_relay()
+
+from core._relay import Relay, plain_json_text  # noqa: E402
+
+HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+TAIL = b'"}}],"created":1796000000,"id":"chatcmpl-x","object":"chat.completion.chunk"}\n\n'
+
+
+def token(text: str) -> bytes:
+    return HEAD + json.dumps(text, ensure_ascii=False)[1:-1].encode() + TAIL
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+FINISH = (b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],'
+          b'"created":1796000000}\n\n')
+DONE = b"data: [DONE]\n\n"
+# What the relay gives a stream back as: (token, relayed, count, engine, unsent, last
+# read, last write).
+Back = tuple[Any, bytes, int, bytes, bytes, float, float]
+
+
+class Pair:
+    """An engine socket and a client socket, each with its peer, and a compiled relay."""
+
+    def __init__(self) -> None:
+        self.engine, self.engine_peer = socket.socketpair()
+        self.client, self.client_peer = socket.socketpair()
+        for sock in (self.engine, self.client, self.client_peer):
+            sock.setblocking(False)
+        self.relay = Relay()
+        self.token = object()
+
+    def adopt(self) -> None:
+        self.relay.adopt(self.engine.fileno(), self.client.fileno(), HEAD, TAIL, self.token)
+
+    def send(self, data: bytes) -> None:
+        self.engine_peer.sendall(data)
+
+    def run(self) -> list[Back]:
+        return list(self.relay.run())
+
+    def received(self) -> bytes:
+        out = b""
+        while True:
+            try:
+                piece = self.client_peer.recv(1 << 20)
+            except BlockingIOError:
+                return out
+            if not piece:
+                return out
+            out += piece
+
+    def close(self) -> None:
+        self.relay.close()
+        for sock in (self.engine, self.engine_peer, self.client, self.client_peer):
+            sock.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    made = Pair()
+    yield made
+    made.close()
+
+
+def test_token_events_relayed_chunk_framed_until_the_finish_which_comes_back(pair: Pair) -> None:
+    pair.adopt()
+    tokens = [token(t) for t in ("Hello", ", wörld", " \\ \"q\"\n", "🙂")]
+    pair.send(b"".join(chunk(t) for t in tokens))
+    assert pair.run() == []  # all relayed, nothing given back yet
+    assert pair.received() == b"".join(chunk(t) for t in tokens)
+    rest = chunk(FINISH) + chunk(DONE) + b"0\r\n\r\n"
+    pair.send(chunk(token("!")) + rest)
+    (back,) = pair.run()
+    leg, relayed, count, engine, unsent, last_read, last_write = back
+    assert leg is pair.token
+    assert (relayed, count) == (b"".join(tokens) + token("!"), 5)
+    assert engine == rest  # whole chunks not taken come back as they were
+    assert unsent == b""
+    assert pair.received() == chunk(token("!"))
+    assert last_read > 0
+    assert last_write > 0
+    assert pair.relay.held() == 0
+
+
+def test_a_chunk_of_several_events_splits_at_the_first_other_event(pair: Pair) -> None:
+    pair.adopt()
+    body = token("a") + token("b") + FINISH + token("c")
+    pair.send(chunk(body) + chunk(DONE))
+    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    assert (relayed, count) == (token("a") + token("b"), 2)
+    # The rest of that chunk comes back framed as a chunk of its own, then the next chunk.
+    assert engine == chunk(FINISH + token("c")) + chunk(DONE)
+    assert pair.received() == chunk(token("a")) + chunk(token("b"))
+
+
+def test_reads_that_split_chunks_anywhere_wait_for_the_whole_chunk(pair: Pair) -> None:
+    pair.adopt()
+    wire = chunk(token("one")) + chunk(token("two"))
+    for cut in (1, 2, 3, 40, len(wire) - 1):
+        pair.send(wire[:cut])
+        assert pair.run() == []
+        pair.send(wire[cut:])
+        assert pair.run() == []
+    assert pair.received() == wire * 5
+
+
+def test_an_event_spread_over_two_chunks_is_relayed_once_whole(pair: Pair) -> None:
+    pair.adopt()
+    event = token("spread")
+    pair.send(chunk(event[:30]) + chunk(event[30:]))
+    assert pair.run() == []
+    assert pair.received() == chunk(event)
+
+
+@pytest.mark.parametrize("text", ["\\u00e9", "bad\x01", 'a"b', "trailing\\", "\\x"])
+def test_a_text_the_lane_does_not_take_gives_the_stream_back(pair: Pair, text: str) -> None:
+    pair.adopt()
+    event = HEAD + text.encode() + TAIL
+    pair.send(chunk(event))
+    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    assert (relayed, count, engine) == (b"", 0, chunk(event))
+    assert pair.received() == b""
+
+
+@pytest.mark.parametrize("wire", [
+    b"5;ext=1\r\nhello\r\n",  # a chunk extension: the parser's to judge
+    b"zz\r\nhello\r\n",  # not a size
+    b"5\r\nhelloXX",  # no CRLF after the data
+    b"\r\n",  # an empty size line
+    b"0\r\n\r\n",  # the body's end
+])
+def test_chunks_it_does_not_take_come_back_byte_for_byte(pair: Pair, wire: bytes) -> None:
+    pair.adopt()
+    pair.send(chunk(token("x")) + wire)
+    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    assert (relayed, count, engine) == (token("x"), 1, wire)
+
+
+def test_the_engine_closing_gives_back_what_is_left(pair: Pair) -> None:
+    pair.adopt()
+    pair.send(chunk(token("x")) + b"7\r\npart")
+    pair.engine_peer.shutdown(socket.SHUT_WR)
+    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    assert (relayed, count, engine) == (token("x"), 1, b"7\r\npart")
+    assert pair.engine.recv(10) == b""  # the end of file is still there for Python's read
+
+
+def test_a_client_that_does_not_take_the_write_whole_gets_the_rest_from_python(
+        pair: Pair) -> None:
+    pair.client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    pair.adopt()
+    events = [token("w" * 900 + str(i)) for i in range(60)]
+    pair.send(b"".join(chunk(e) for e in events))
+    backs: list[Back] = []
+    while not backs:
+        backs = pair.run()
+    ((_, relayed, count, engine, unsent, _, _),) = backs
+    written = pair.received()
+    # Relayed = written + unsent, in order; what it did not read yet comes back too.
+    assert written + unsent == b"".join(chunk(e) for e in events[:count])
+    assert relayed == b"".join(events[:count])
+    assert unsent
+    assert engine == b"".join(chunk(e) for e in events[count:])
+
+
+def test_a_client_gone_gives_the_stream_back_with_the_bytes_unwritten(pair: Pair) -> None:
+    pair.adopt()
+    pair.client_peer.close()
+    pair.send(chunk(token("x")))
+    ((_, relayed, count, engine, unsent, _, _),) = pair.run()
+    assert (relayed, count, engine, unsent) == (token("x"), 1, b"", chunk(token("x")))
+    pair.client_peer = socket.socket()  # (closed above: the fixture closes this one)
+
+
+def test_reclaim_gives_back_now_and_drop_forgets(pair: Pair) -> None:
+    pair.adopt()
+    pair.send(chunk(token("x")) + b"3\r\nab")
+    assert pair.run() == []
+    back = pair.relay.reclaim(pair.token)
+    assert back is not None
+    (leg, relayed, count, engine, unsent, _, _) = back
+    assert (leg, relayed, count, engine, unsent) == (pair.token, token("x"), 1, b"3\r\nab", b"")
+    assert pair.relay.reclaim(pair.token) is None
+    pair.adopt()
+    assert pair.relay.drop(pair.token) is True
+    assert pair.relay.held() == 0
+    assert pair.relay.drop(pair.token) is False
+
+
+def test_the_lane_writes_to_its_own_duplicate_never_to_a_reused_descriptor(pair: Pair) -> None:
+    """The loop may close a socket the compiled relay holds and the number be reused at once: the
+    relay writes to the socket it adopted (a duplicate), not to whatever has the number."""
+    pair.adopt()
+    number = pair.client.fileno()
+    pair.client.close()
+    stranger, stranger_peer = socket.socketpair()
+    try:
+        if stranger.fileno() != number:  # make the number the stranger's
+            import os
+
+            os.dup2(stranger.fileno(), number)
+        pair.send(chunk(token("secret")))
+        assert pair.run() == []
+        assert pair.received() == chunk(token("secret"))
+        stranger_peer.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            stranger_peer.recv(100)
+    finally:
+        stranger.close()
+        stranger_peer.close()
+    pair.client = socket.socket()
+
+
+def test_plain_json_text_accepts_what_a_json_parser_reads_as_a_string() -> None:
+    for ok in [b"a", "é".encode(), "🙂".encode(), b'\\"', b"\\\\", b"\\/\\b\\f\\n\\r\\t"]:
+        assert plain_json_text(ok), ok
+    for bad in [b"", b'"', b"\x1f", b"\\", b"\\u0041", b"\\a", b"\xff", b"\xc3",
+                b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", "é".encode()[:1] + b"a"]:
+        assert not plain_json_text(bad), bad
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=24))
+def test_plain_json_text_never_accepts_what_json_refuses(data: bytes) -> None:
+    if plain_json_text(data):
+        assert isinstance(json.loads(b'"' + data + b'"'), str)
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=12),
+       cuts=st.lists(st.integers(min_value=1, max_value=400), max_size=8),
+       finish_at=st.integers(min_value=0, max_value=12))
+def test_relayed_and_given_back_are_exactly_what_the_engine_sent(
+        texts: list[str], cuts: list[int], finish_at: int) -> None:
+    """However the engine's bytes are cut into reads: what the client got is every token
+    event before the first other event, framed, and what comes back is the rest."""
+    made = Pair()
+    try:
+        made.adopt()
+        events = [token(t) for t in texts]
+        events.insert(min(finish_at, len(events)), FINISH)
+        wire = b"".join(chunk(e) for e in events) + b"0\r\n\r\n"
+        backs: list[Back] = []
+        at = 0
+        for cut in [*cuts, len(wire)]:
+            made.send(wire[at:at + cut])
+            at += cut
+            backs += made.run()
+            if backs or at >= len(wire):
+                break
+        if not backs:
+            reclaimed = made.relay.reclaim(made.token)
+            assert reclaimed is not None
+            backs = [reclaimed]
+        ((_, relayed, count, engine, unsent, _, _),) = backs
+        assert unsent == b""
+        taken = 0
+        for event in events:
+            if event == FINISH or not plain_json_text(event[len(HEAD):-len(TAIL)]):
+                break
+            taken += 1
+        assert count == taken
+        assert relayed == b"".join(events[:taken])
+        assert made.received() == b"".join(chunk(e) for e in events[:taken])
+        assert engine + wire[at:] == b"".join(chunk(e) for e in events[taken:]) + b"0\r\n\r\n"
+    finally:
+        made.close()
+
+
+def test_a_tail_whose_digits_moved_on_is_still_the_shape(pair: Pair) -> None:
+    """llama-server's ``created`` moves on every second: the same shape. A number's first
+    digit, or anything not a digit, is another event."""
+    pair.adopt()
+    later = token("tick").replace(b'"created":1796000000', b'"created":1796000001')
+    pair.send(chunk(later))
+    assert pair.run() == []
+    assert pair.received() == chunk(later)
+    for other in (token("x").replace(b'"created":1796000000', b'"created":2796000000'),
+                  token("x").replace(b'"chatcmpl-x"', b'"chatcmpl-y"')):
+        pair.send(chunk(other))
+        ((_, relayed, count, engine, _, _, _),) = pair.run()
+        assert (count, engine) == (1 if relayed else 0, chunk(other))
+        pair.adopt()
