@@ -8,11 +8,15 @@
  * string), adds it, chunk-framed, to the client's bytes of this turn; then writes each
  * client once. Nothing per event touches a Python object.
  *
+ * A client whose socket is full holds its stream back: what was framed for it is kept, the
+ * engine's socket is not read (the kernel's buffers, then the engine's own flow control,
+ * hold the rest) until the client's socket is writable again, watched in the same set.
+ *
  * Anything else gives the stream back to Python (run() returns it): an event of another
- * shape (the finish, the usage, an error), a chunk it does not take (the body's end, an
- * extension, a malformed size), the engine's end of file or a read error, a client write
- * that is not taken whole (a slow reader: Python's transport buffers the rest, with its
- * flow control), or a failed one. What is given back is exact: the events relayed since
+ * shape (the finish, the usage, an error; a tail whose digits moved on, llama-server's
+ * "created", is still the shape), a chunk it does not take (the body's end, an extension,
+ * a malformed size), the engine's end of file or a read error, a failed client write (the
+ * client gone), or Python reclaiming it. What is given back is exact: the events relayed since
  * the adoption (for the generation's log), the engine bytes not relayed, chunk-framed from
  * a chunk's start (Python's HTTP parser reads on from them), and the client bytes not
  * written. Both sockets are duplicated at adoption, so a descriptor number the loop closes
@@ -62,8 +66,16 @@ static void buf_consume(buf_t *b, size_t n) {
     b->len -= n;
 }
 
+struct stream;
+
+/* What an epoll registration points at: one of a stream's two sockets. */
+typedef struct {
+    struct stream *stream;
+    int client;
+} endpoint_t;
+
 typedef struct stream {
-    struct stream *prev, *next; /* the compiled relay's adopted streams */
+    struct stream *prev, *next; /* the relay's adopted streams */
     struct stream *ready;       /* this turn's */
     int engine_fd, client_fd;   /* duplicates, owned */
     PyObject *token;
@@ -75,7 +87,10 @@ typedef struct stream {
     buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
     Py_ssize_t count;
     double last_read, last_write;
+    endpoint_t engine_end, client_end;
     int done;
+    int blocked; /* the client's socket is full: the engine is not read until it drains */
+    int queued;  /* on this turn's list */
 } stream_t;
 
 typedef struct {
@@ -289,8 +304,30 @@ static void read_engine(stream_t *s, uint32_t events) {
     if (ended) s->done = 1;
 }
 
-static void write_client(stream_t *s) {
+/* A client that does not take a write whole: the engine is not read (the kernel's
+ * buffers and then the engine's own flow control hold the rest) until the client's socket
+ * is writable again; the bytes kept stay in order. */
+static void block(Relay *relay, stream_t *s) {
+    struct epoll_event engine = {.events = 0, .data.ptr = &s->engine_end};
+    struct epoll_event client = {.events = EPOLLOUT, .data.ptr = &s->client_end};
+    if (epoll_ctl(relay->epfd, EPOLL_CTL_MOD, s->engine_fd, &engine) < 0 ||
+        epoll_ctl(relay->epfd, EPOLL_CTL_ADD, s->client_fd, &client) < 0) {
+        s->done = 1; /* Python's transport has the rest */
+        return;
+    }
+    s->blocked = 1;
+}
+
+static void unblock(Relay *relay, stream_t *s) {
+    struct epoll_event engine = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &s->engine_end};
+    epoll_ctl(relay->epfd, EPOLL_CTL_DEL, s->client_fd, NULL);
+    s->blocked = 0;
+    if (epoll_ctl(relay->epfd, EPOLL_CTL_MOD, s->engine_fd, &engine) < 0) s->done = 1;
+}
+
+static void write_client(Relay *relay, stream_t *s) {
     size_t sent = 0;
+    int full = 0;
     while (sent < s->out.len) {
         ssize_t w = send(s->client_fd, s->out.p + sent, s->out.len - sent,
                          MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -299,15 +336,21 @@ static void write_client(stream_t *s) {
             continue;
         }
         if (w < 0 && errno == EINTR) continue;
-        s->done = 1; /* a slow reader, or a failed write: Python's transport has the rest */
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) full = 1;
+        else s->done = 1; /* the client is gone: Python's write finds out and says so */
         break;
     }
     if (sent) s->last_write = monotonic();
     buf_consume(&s->out, sent);
+    if (s->done) return;
+    if (full && !s->blocked) block(relay, s);
+    else if (!s->out.len && s->blocked) unblock(relay, s);
 }
 
 static void unlink_stream(Relay *relay, stream_t *s) {
     epoll_ctl(relay->epfd, EPOLL_CTL_DEL, s->engine_fd, NULL);
+    if (s->blocked) epoll_ctl(relay->epfd, EPOLL_CTL_DEL, s->client_fd, NULL);
+    s->blocked = 0;
     if (s->prev) s->prev->next = s->next;
     else relay->streams = s->next;
     if (s->next) s->next->prev = s->prev;
@@ -344,7 +387,7 @@ static PyObject *give_back(Relay *relay, stream_t *s) {
     return item;
 }
 
-static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
         PyErr_SetString(PyExc_TypeError, "Relay() takes no arguments");
         return NULL;
@@ -368,13 +411,13 @@ static void drop_all(Relay *self) {
     }
 }
 
-static void Lane_dealloc(Relay *self) {
+static void Relay_dealloc(Relay *self) {
     drop_all(self);
     if (self->epfd >= 0) close(self->epfd);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *Lane_fileno(Relay *self, PyObject *unused) {
+static PyObject *Relay_fileno(Relay *self, PyObject *unused) {
     if (self->epfd < 0) {
         PyErr_SetString(PyExc_ValueError, "the compiled relay is closed");
         return NULL;
@@ -382,7 +425,7 @@ static PyObject *Lane_fileno(Relay *self, PyObject *unused) {
     return PyLong_FromLong(self->epfd);
 }
 
-static PyObject *Lane_adopt(Relay *self, PyObject *args) {
+static PyObject *Relay_adopt(Relay *self, PyObject *args) {
     int engine_fd, client_fd;
     const char *head, *tail;
     Py_ssize_t head_len, tail_len;
@@ -414,7 +457,9 @@ static PyObject *Lane_adopt(Relay *self, PyObject *args) {
     s->last_read = s->last_write = monotonic();
     s->engine_fd = fcntl(engine_fd, F_DUPFD_CLOEXEC, 0);
     s->client_fd = fcntl(client_fd, F_DUPFD_CLOEXEC, 0);
-    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = s};
+    s->engine_end.stream = s->client_end.stream = s;
+    s->client_end.client = 1;
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = &s->engine_end};
     if (s->engine_fd < 0 || s->client_fd < 0 ||
         epoll_ctl(self->epfd, EPOLL_CTL_ADD, s->engine_fd, &ev) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -429,7 +474,7 @@ static PyObject *Lane_adopt(Relay *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Lane_run(Relay *self, PyObject *unused) {
+static PyObject *Relay_run(Relay *self, PyObject *unused) {
     PyObject *back = PyList_New(0);
     if (back == NULL || self->epfd < 0) return back;
     struct epoll_event events[MAX_EVENTS];
@@ -441,15 +486,20 @@ static PyObject *Lane_run(Relay *self, PyObject *unused) {
     }
     stream_t *ready = NULL;
     for (int i = 0; i < n; i++) {
-        stream_t *s = events[i].data.ptr;
-        read_engine(s, events[i].events);
-        s->ready = ready;
-        ready = s;
+        endpoint_t *end = events[i].data.ptr;
+        stream_t *s = end->stream;
+        if (!end->client) read_engine(s, events[i].events);
+        if (!s->queued) {
+            s->queued = 1;
+            s->ready = ready;
+            ready = s;
+        }
     }
     /* Every client written once, after every read of the turn. */
     for (stream_t *s = ready, *next; s != NULL; s = next) {
         next = s->ready;
-        if (s->out.len) write_client(s);
+        s->queued = 0;
+        if (s->out.len) write_client(self, s);
         if (!s->done) continue;
         PyObject *item = give_back(self, s);
         if (item == NULL || PyList_Append(back, item) < 0) {
@@ -463,14 +513,14 @@ static PyObject *Lane_run(Relay *self, PyObject *unused) {
     return back;
 }
 
-static PyObject *Lane_reclaim(Relay *self, PyObject *token) {
+static PyObject *Relay_reclaim(Relay *self, PyObject *token) {
     for (stream_t *s = self->streams; s != NULL; s = s->next) {
         if (s->token == token) return give_back(self, s);
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *Lane_drop(Relay *self, PyObject *token) {
+static PyObject *Relay_drop(Relay *self, PyObject *token) {
     for (stream_t *s = self->streams; s != NULL; s = s->next) {
         if (s->token == token) {
             unlink_stream(self, s);
@@ -481,14 +531,14 @@ static PyObject *Lane_drop(Relay *self, PyObject *token) {
     Py_RETURN_FALSE;
 }
 
-static PyObject *Lane_close(Relay *self, PyObject *unused) {
+static PyObject *Relay_close(Relay *self, PyObject *unused) {
     drop_all(self);
     if (self->epfd >= 0) close(self->epfd);
     self->epfd = -1;
     Py_RETURN_NONE;
 }
 
-static PyObject *Lane_len(Relay *self, PyObject *unused) {
+static PyObject *Relay_len(Relay *self, PyObject *unused) {
     Py_ssize_t n = 0;
     for (stream_t *s = self->streams; s != NULL; s = s->next) n++;
     return PyLong_FromSsize_t(n);
@@ -502,31 +552,31 @@ static PyObject *plain_text_py(PyObject *module, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
-static PyMethodDef Lane_methods[] = {
-    {"fileno", (PyCFunction)Lane_fileno, METH_NOARGS,
+static PyMethodDef Relay_methods[] = {
+    {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS,
      "The epoll descriptor the event loop watches."},
-    {"adopt", (PyCFunction)Lane_adopt, METH_VARARGS,
+    {"adopt", (PyCFunction)Relay_adopt, METH_VARARGS,
      "adopt(engine_fd, client_fd, head, tail, token): relay the stream's token events."},
-    {"run", (PyCFunction)Lane_run, METH_NOARGS,
+    {"run", (PyCFunction)Relay_run, METH_NOARGS,
      "One turn: relay what is ready; the streams given back."},
-    {"reclaim", (PyCFunction)Lane_reclaim, METH_O,
+    {"reclaim", (PyCFunction)Relay_reclaim, METH_O,
      "reclaim(token): give the stream back now (None if the compiled relay does not hold it)."},
-    {"drop", (PyCFunction)Lane_drop, METH_O,
+    {"drop", (PyCFunction)Relay_drop, METH_O,
      "drop(token): forget the stream, giving nothing back (its connection is closing)."},
-    {"close", (PyCFunction)Lane_close, METH_NOARGS, "Forget every stream; close the set."},
-    {"held", (PyCFunction)Lane_len, METH_NOARGS, "How many streams the compiled relay holds."},
+    {"close", (PyCFunction)Relay_close, METH_NOARGS, "Forget every stream; close the set."},
+    {"held", (PyCFunction)Relay_len, METH_NOARGS, "How many streams the compiled relay holds."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject LaneType = {
+static PyTypeObject RelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "core._relay.Relay",
     .tp_basicsize = sizeof(Relay),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Token events relayed between sockets in C (core/compiled_relay.py).",
-    .tp_new = Lane_new,
-    .tp_dealloc = (destructor)Lane_dealloc,
-    .tp_methods = Lane_methods,
+    .tp_new = Relay_new,
+    .tp_dealloc = (destructor)Relay_dealloc,
+    .tp_methods = Relay_methods,
 };
 
 static PyMethodDef module_methods[] = {
@@ -539,12 +589,12 @@ static struct PyModuleDef relay_module = {PyModuleDef_HEAD_INIT, "core._relay", 
                                          module_methods};
 
 PyMODINIT_FUNC PyInit__relay(void) {
-    if (PyType_Ready(&LaneType) < 0) return NULL;
+    if (PyType_Ready(&RelayType) < 0) return NULL;
     PyObject *m = PyModule_Create(&relay_module);
     if (m == NULL) return NULL;
-    Py_INCREF(&LaneType);
-    if (PyModule_AddObject(m, "Relay", (PyObject *)&LaneType) < 0) {
-        Py_DECREF(&LaneType);
+    Py_INCREF(&RelayType);
+    if (PyModule_AddObject(m, "Relay", (PyObject *)&RelayType) < 0) {
+        Py_DECREF(&RelayType);
         Py_DECREF(m);
         return NULL;
     }

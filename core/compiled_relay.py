@@ -9,7 +9,8 @@ epoll descriptor for every adopted engine socket, and each turn one call reads t
 writes each client's token events once, chunk-framed, and returns the streams it gives
 back. It gives a stream back at the first event that is not a token of its shape (the
 finish, the usage, an error), at the body's end, an engine end of file or error, and a
-client write not taken whole; Python can reclaim a stream at any moment (a second client
+failed client write (a full one holds the stream back: the engine is not read until the
+client's socket drains); Python can reclaim a stream at any moment (a second client
 joins, a heartbeat or read timer fires, the client leaves). What comes back is exact
 (``GivenBack``): the events relayed (the generation's log gets them then), the engine bytes
 not relayed (its HTTP parser reads on from them) and the client bytes not written (its
