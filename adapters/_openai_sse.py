@@ -142,8 +142,8 @@ class SameShapeTokens:
         return plain
 
     def shape(self) -> TokenShape | None:
-        """The stream's token shape as learned so far (None before it is): what the relay
-        lane checks an event against, and the frames it makes of what the compiled relay relayed."""
+        """The stream's token shape as learned so far (None before it is): what the
+        compiled relay checks an event against, and the frames made of what it relayed."""
         if not self._head or self._field is None:
             return None
         return TokenShape(self._head, self._tail, self._field, self._figured)

@@ -581,7 +581,7 @@ static PyTypeObject RelayType = {
 
 static PyMethodDef module_methods[] = {
     {"plain_json_text", (PyCFunction)plain_text_py, METH_O,
-     "Whether the bytes are a JSON string's body the compiled relay relays (tests)."},
+     "Whether the bytes are a JSON string's body the relay takes as a token's text."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,20 +1,24 @@
 """The compiled relay: a stream's token events moved between its two sockets in C.
 
-Per event, the pure-Python relay runs the loop's read callback, the HTTP parser's, the SSE
-decoder, the frame, the generation's log and the client's write: about two thirds of the
-proxy's CPU per event once the kernel's share is left out (``bench/results/load``). Once a
-stream's token events have a learned shape (``adapters._openai_sse.SameShapeTokens``) and
-one client reads it, the compiled relay (``core/_relay.c``) takes both sockets: the loop watches one
-epoll descriptor for every adopted engine socket, and each turn one call reads them all,
-writes each client's token events once, chunk-framed, and returns the streams it gives
-back. It gives a stream back at the first event that is not a token of its shape (the
-finish, the usage, an error), at the body's end, an engine end of file or error, and a
-failed client write (a full one holds the stream back: the engine is not read until the
-client's socket drains); Python can reclaim a stream at any moment (a second client
-joins, a heartbeat or read timer fires, the client leaves). What comes back is exact
-(``GivenBack``): the events relayed (the generation's log gets them then), the engine bytes
-not relayed (its HTTP parser reads on from them) and the client bytes not written (its
-transport writes them before anything newer).
+Per event, the Python relay runs the loop's read callback, the HTTP parser's, the SSE
+decoder, the frame, the generation's log and the client's write; with all of the Python of
+that bypassed the proxy still cost 2.8x the load bench's fake per event: the loop's own
+callbacks and its socket calls were the rest (``bench/results/load/versus/CEILING.md``).
+Once a stream's token events have a learned shape (``adapters._openai_sse.SameShapeTokens``)
+and one client reads it, the compiled relay (``core/_relay.c``) takes both sockets: the
+loop watches one epoll descriptor for every adopted engine socket, and each turn one call
+reads them all, writes each client's token events once, chunk-framed, and returns the
+streams it gives back (0.77x the CPU per event of the Python relay at 256 streams:
+``bench/results/load/versus/ALTERNATE-compiled.md``).
+
+It gives a stream back at the first event that is not a token of its shape (the finish,
+the usage, an error), at the body's end, an engine end of file or error, and a failed
+client write (a full one holds the stream back: the engine is not read until the client's
+socket drains); Python can reclaim a stream at any moment (a second client joins, a
+heartbeat or read timer fires, the client leaves). What comes back is exact
+(``GivenBack``): the events relayed (the generation's log gets them then), the engine
+bytes not relayed (its HTTP parser reads on from them) and the client bytes not written
+(its transport writes them before anything newer).
 
 Only Linux builds the extension (epoll); without it ``available()`` is False and every
 stream takes the Python path, which stays complete on its own.
@@ -75,7 +79,7 @@ class CompiledRelay:
 
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
               leg: Leg) -> None:
-        """The compiled relay relays the stream's token events from now on: the engine socket's
+        """The relay takes the stream's token events from now on: the engine socket's
         reading must be paused in the loop, and every byte written to the client so far
         must have left (the compiled relay writes to the socket itself)."""
         self._core.adopt(engine_fd, client_fd, head, tail, leg)

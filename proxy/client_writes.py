@@ -230,7 +230,7 @@ class RelayClient:
             return None
         transport.flush()
         if transport.get_write_buffer_size():
-            return None  # the socket has bytes queued: the compiled relay's would pass them
+            return None  # bytes queued in the transport: the relay's would overtake them
         sock = transport.get_extra_info("socket")
         return None if sock is None else int(sock.fileno())
 

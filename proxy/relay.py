@@ -268,12 +268,11 @@ class LiveStream(StreamResponse):
         else:  # something was sent since it was armed: the silence starts later
             self._arm(asyncio.get_running_loop(), self._quiet_until, now)
 
-
     def _take_relay(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
-        """The engine connection's offer (``Generation.offer_relay``): the compiled relay relays
-        this stream's token events from now on, if this client is caught up and idle
-        (asleep, nothing handed over or failed, every frame of the log written) and its
-        socket can be written by the compiled relay."""
+        """The engine connection's offer (``Generation.offer_relay``): the compiled relay
+        takes this stream's token events from now on, if this client is caught up and
+        idle (asleep, nothing handed over or failed, every frame of the log written, the
+        encoder passing tokens as their bytes) and its socket can be written directly."""
         client = self._relay_client
         if (client is None or self._held is not None or not self._asleep
                 or self._handed is not None or self._failed is not None
@@ -287,36 +286,36 @@ class LiveStream(StreamResponse):
             engine_fd = handoff.fileno
         except OSError:
             return False
-        leg = _Held(self, handoff, shape)
+        held = _Held(self, handoff, shape)
         handoff.pause()
         try:
-            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, leg)
+            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, held)
         except OSError:
             handoff.resume(b"", time.monotonic())
             return False
-        self._held = leg
-        handoff.reclaim = self._generation.relay_reclaim = leg.reclaim
+        self._held = held
+        handoff.reclaim = self._generation.relay_reclaim = held.reclaim
         return True
 
-    def _relay_gave_back(self, leg: _Held, back: GivenBack) -> None:
-        """The compiled relay let this stream go: its relayed tokens into the log (written to this
-        client already), then the client bytes it did not write, then the engine bytes it
-        did not relay, to the connection (what they hold is written as any change is)."""
-        if self._held is not leg:
+    def _relay_gave_back(self, held: _Held, back: GivenBack) -> None:
+        """The compiled relay let this stream go: its relayed tokens into the log (written
+        to this client already), then the client bytes it did not write, then the engine
+        bytes it did not relay, to the connection (what they hold is written as any change
+        is). The handoff is spent: the connection forgets it as it resumes."""
+        if self._held is not held:
             return
         self._held = None
         self._generation.relay_reclaim = None
-        leg.handoff.reclaim = _no_reclaim
         try:
             if back.count:
-                self._generation.take_delivered(leg.shape.frames(back.relayed, back.count),
+                self._generation.take_delivered(held.shape.frames(back.relayed, back.count),
                                                 self._subscriber)
         finally:
             if back.unsent and self._relay_client is not None:
                 self._relay_client.write_framed(back.unsent)
             if back.count:
                 self._quiet_until = max(self._quiet_until, back.last_write + self._heartbeat_s)
-            leg.handoff.resume(back.engine, back.last_read)
+            held.handoff.resume(back.engine, back.last_read)
 
 
 class _Held:
@@ -336,10 +335,6 @@ class _Held:
 
     def given_back(self, back: GivenBack) -> None:
         self._stream._relay_gave_back(self, back)
-
-
-def _no_reclaim() -> None:
-    return None
 
 
 class _Handed:
