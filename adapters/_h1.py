@@ -471,6 +471,9 @@ class RelayHandoff:
         """Back from the compiled relay: reading resumes (the socket's own end or error included),
         after ``engine``, the bytes the compiled relay read and did not relay; ``last_read``: when
         the compiled relay last read (``time.monotonic()``), the silence the timeout measures."""
+        # Spent: it forgets its reclaimer (the relay's hold on the stream, which holds
+        # this handoff: a cycle that would keep the stream's frames until a full GC).
+        self.reclaim = _nothing
         connection = self._connection
         if connection.relayed_by is not self:
             return

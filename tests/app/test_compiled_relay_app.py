@@ -7,6 +7,7 @@ relay did relay (its count of events), so none passes with the relay idle."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from proxy.app import create_apps
 from proxy.http_limits import http_options
+from proxy.relay import LiveStream
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from proxy.testing.servers import serve_in_thread, serve_proxy
@@ -252,3 +254,24 @@ def test_a_client_leaving_mid_stream_releases_the_relay_and_the_engine() -> None
         with httpx.Client(timeout=30) as client:
             again = client.post(proxy.url + "/v1/chat/completions", json=chat("next"))
             assert text_of(events_of(again)[1]).split() == REPLY.split()
+
+
+def test_a_stream_the_relay_gave_back_is_freed_without_waiting_for_the_collector() -> None:
+    """Nothing of the relay keeps a finished stream in a reference cycle: its live stream
+    (and the generation and frames it holds) goes as soon as the answer is done, as on
+    the Python relay, not at the next full collection (``serve`` runs the collector
+    rarely: a cycle per stream grew the process by 60 MiB a round at 256 streams)."""
+    with served() as proxy, httpx.Client(timeout=30) as client:
+        gc.collect()
+        gc.disable()
+        try:
+            for index in range(5):
+                response = client.post(proxy.url + "/v1/chat/completions",
+                                       json=chat(f"question {index}"))
+                assert text_of(events_of(response)[1]).split() == REPLY.split()
+            time.sleep(0.3)  # (the proxy's thread finishes each response's task)
+            left = sum(1 for thing in gc.get_objects() if isinstance(thing, LiveStream))
+        finally:
+            gc.enable()
+        assert proxy.relayed > 5 * (WORDS // 2)
+        assert left == 0
