@@ -124,10 +124,7 @@ class SameShapeTokens:
                 except orjson.JSONDecodeError:
                     text = None
                 if type(text) is str:
-                    frame = Frame.unparsed(_CHUNK, chunk, chunk[6:-2], None, True, False)
-                    frame.figured = self._figured
-                    frame.delta_field, frame.delta_text = self._field, text
-                    return frame
+                    return _token_frame(chunk, self._field, self._figured, text)
         if not self._learning:
             return classify_whole(chunk)
         parsed = _whole_object(chunk)
@@ -205,11 +202,17 @@ class TokenShape:
                 text = orjson.loads(raw[start:len(raw) - cut + 1])
             except orjson.JSONDecodeError as exc:
                 raise UpstreamProtocolError("compiled relay: a token's text is not JSON") from exc
-            frame = Frame.unparsed(_CHUNK, raw, raw[6:-2], None, True, False)
-            frame.figured = figured
-            frame.delta_field, frame.delta_text = field, text
-            frames.append(frame)
+            frames.append(_token_frame(raw, field, figured, text))
         return frames
+
+
+def _token_frame(raw: bytes, field: str | None, figured: bool | None, text: str) -> Frame:
+    """The frame of a token event of a learned shape (``raw``: ``data: {...}\n\n``): a
+    plain chunk whose one delta field holds ``text``."""
+    frame = Frame.unparsed(_CHUNK, raw, raw[6:-2], None, True, False)
+    frame.figured = figured
+    frame.delta_field, frame.delta_text = field, text
+    return frame
 
 
 def _only_the_text_between(chunk: bytes, start: int, end: int, data: dict[str, Any],

@@ -199,11 +199,17 @@ class ChunkedBodyWriter:
 
     def write(self, body: bytes) -> bool:
         cycle = self._cycle
-        if (cycle.chunked_encoding is not True or cycle.response_complete
-                or cycle.disconnected or cycle.flow.write_paused or not body):
+        if not body or not _writable_now(cycle):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
+
+
+def _writable_now(cycle: Any) -> bool:
+    """A started chunked response, not complete, its client there, its socket under the
+    high-water mark: a body chunk may be written to the transport without ``send``."""
+    return (cycle.chunked_encoding is True and not cycle.response_complete
+            and not cycle.disconnected and not cycle.flow.write_paused)
 
 
 class RelayClient:
@@ -222,8 +228,7 @@ class RelayClient:
 
     def socket(self) -> int | None:
         cycle = self._cycle
-        if (cycle.chunked_encoding is not True or cycle.response_complete
-                or cycle.disconnected or cycle.flow.write_paused):
+        if not _writable_now(cycle):
             return None
         transport = cycle.transport
         if not isinstance(transport, BatchedTransport) or transport.is_closing():
