@@ -137,4 +137,9 @@ class Adapter(Protocol):
 
     async def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
+    def fault(self) -> str | None:
+        """What is wrong with the engine's process now, where the adapter runs it (the
+        embedded engine's crash and restart), in a line; None otherwise."""
+        ...
+
     async def aclose(self) -> None: ...

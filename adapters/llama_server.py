@@ -153,6 +153,10 @@ class LlamaServerAdapter:
                                   "parse_special": True}, "POST /tokenize")
         return [int(t) for t in result.get("tokens", [])]
 
+    def fault(self) -> str | None:
+        """Only what the engine's own process says; the proxy's watch tells a lost engine."""
+        return None
+
     async def aclose(self) -> None:
         await self.http.aclose()
 

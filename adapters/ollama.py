@@ -138,6 +138,10 @@ class OllamaAdapter:
     async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         raise _unsupported("tokenization")
 
+    def fault(self) -> str | None:
+        """Only what the engine's own process says; the proxy's watch tells a lost engine."""
+        return None
+
     async def aclose(self) -> None:
         await self.http.aclose()
 

@@ -60,6 +60,8 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--slots": ("slots", int, "embedded engine slots (default 2)"),
     "--ctx-size": ("ctx_size", int, "embedded engine context per slot (default 8192)"),
     "--threads": ("threads", int, "embedded engine threads"),
+    "--repack": ("repack", str, "embedded engine weight repacking: auto (off where llama.cpp "
+                 "has its AMX kernels, which crash), on, off (default auto)"),
     "--park-dir": ("park_dir", str, "directory for parked sessions: the engine's "
                    "--slot-save-path as this proxy sees it"),
     "--park-max-bytes": ("park_max_bytes", int, "disk budget for parked sessions, LRU "

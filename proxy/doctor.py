@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from core.cpu import AMX_CRASH, crash_advice, has_amx
 from core.errors import UpstreamUnavailableError
 from proxy.engine_facts import (
     FLAG_SPECS,
@@ -348,7 +349,22 @@ def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Findi
         _metrics(obs), _slots_endpoint(obs), _slot_save_path(obs), _cache_prompt(obs),
         _unified_idle_slots(obs), _rollback(obs), _context_shift(obs), _return_progress(obs),
         _slot_context(obs, min_ctx), _slot_similarity(obs), _shared_cache(obs),
+        _cpu_paths(obs, amx=has_amx()),
     ]
+
+
+def _cpu_paths(obs: Observations, *, amx: bool) -> Finding:
+    """An upstream on this host, on a CPU with AMX, with weight repacking on."""
+    if not amx:
+        return Finding("cpu-paths", "ok", "--repack",
+                       "no AMX on this CPU: llama.cpp's repacked kernels are safe here")
+    evidence = _flag_evidence(obs, "repack")
+    if obs.flags is not None and obs.flags.boolean("repack") is False:
+        return Finding("cpu-paths", "ok", "--no-repack", "AMX kernels off (--no-repack)",
+                       evidence=evidence)
+    return Finding("cpu-paths", "warning", "--no-repack", AMX_CRASH,
+                   "add --no-repack (or LLAMA_ARG_REPACK=0), or build llama.cpp with "
+                   "-DGGML_NATIVE=OFF", evidence)
 
 
 def _flag_evidence(obs: Observations, key: str) -> str:
@@ -668,6 +684,8 @@ def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]
         command.append("--swa-full")
     if obs.model and obs.model.recurrent:
         command += ["-cms", "1024"]
+    if has_amx():
+        command.append("--no-repack")
     return command
 
 
@@ -721,7 +739,8 @@ MARKS: dict[Status, str] = {"problem": "PROBLEM", "warning": "warning", "ok": "o
 
 def render_text(report: Report) -> str:
     if not report.reachable:
-        return f"prefixpin doctor: cannot reach llama-server at {report.upstream}: {report.error}\n"
+        return (f"prefixpin doctor: cannot reach llama-server at {report.upstream}: "
+                f"{report.error}\n{crash_advice(amx=has_amx())}\n")
     s = report.server
     lines = [f"prefixpin doctor: {report.upstream}",
              f"  build {s['build_info']}, {s['total_slots']} slot(s) × {s['slot_ctx']} tokens, "

@@ -42,6 +42,7 @@ FLAG_SPECS: dict[str, FlagSpec] = {
     "cache_idle_slots": FlagSpec(("--cache-idle-slots",), "bool", "LLAMA_ARG_CACHE_IDLE_SLOTS",
                                  ("--no-cache-idle-slots",)),
     "swa_full": FlagSpec(("--swa-full",), "switch", "LLAMA_ARG_SWA_FULL"),
+    "repack": FlagSpec(("--repack",), "bool", "LLAMA_ARG_REPACK", ("-nr", "--no-repack")),
     "ctx_shift": FlagSpec(("--context-shift",), "bool", "LLAMA_ARG_CONTEXT_SHIFT",
                           ("--no-context-shift",)),
     "metrics": FlagSpec(("--metrics",), "switch", "LLAMA_ARG_ENDPOINT_METRICS"),

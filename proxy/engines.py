@@ -156,7 +156,7 @@ async def open_embedded_adapter(settings: Settings) -> Adapter:
         raise ValueError("the embedded engine needs settings.model (the CLI resolves it)")
     config = EngineConfig(model_path=settings.model, n_slots=settings.slots,
                           n_ctx=settings.ctx_size, n_threads=settings.threads,
-                          slot_save_path=settings.slot_dir())
+                          repack=settings.repack, slot_save_path=settings.slot_dir())
     return await EmbeddedAdapter.open(config, settings.upstream_timeout())
 
 

@@ -56,11 +56,16 @@ class Lane:
 
     @property
     def up(self) -> bool:
-        return self.ready and self.watch.reachable
+        """Placement's view: a lane whose engine just dropped a stream is taken for down
+        until the watch's probe, already under way, says otherwise (a crashed engine
+        must not get the next new session in the meantime)."""
+        return self.ready and self.watch.reachable and not self.watch.suspected
 
     def down_reason(self) -> str:
         if not self.ready:
             return "engine not answering since start-up"
+        if self.watch.reachable:
+            return "engine dropped a stream (being probed)"
         return "engine unreachable (health check)"
 
     @property

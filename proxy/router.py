@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo
+from core.cpu import crash_advice, has_amx
 from core.errors import ProxyError, UpstreamError
 from proxy.affinity import planned_body
 from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
@@ -210,8 +211,11 @@ class Router:
         backend = lane.service.backend
         entry: dict[str, Any] = {"label": lane.label, "engine": backend.adapter.name}
         found = await lane.watch.check()  # the watch learns what the check learns
+        if (fault := backend.adapter.fault()) is not None:
+            entry["fault"] = fault
         if isinstance(found, UpstreamError):
-            entry.update(status="unreachable", error=found.message)
+            entry.update(status="unreachable", error=found.message,
+                         down_since=lane.watch.down_since, hint=crash_advice(amx=has_amx()))
         else:
             entry.update(status="ok", model=found.model, slots=found.n_slots,
                          n_ctx_slot=found.n_ctx_slot, build=found.build)

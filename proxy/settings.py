@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     slots: int = Field(2, ge=1, le=64)
     ctx_size: int = Field(8192, ge=256, description="Context per slot (embedded engine)")
     threads: int | None = Field(None, ge=1)
+    repack: Literal["auto", "on", "off"] = Field(
+        "auto", description="llama.cpp's weight repacking (extra buffer types) in the embedded "
+        "engine: auto turns it off where the library has its AMX kernels (core.cpu)")
 
     # Parking: park_dir must be the engine's --slot-save-path as this proxy sees it.
     park_dir: Path | None = None

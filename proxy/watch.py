@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 from adapters.base import Adapter, EngineInfo
 from core.errors import UpstreamError, UpstreamTimeoutError
@@ -84,10 +85,13 @@ class EngineWatch:
         self.on_restart = on_restart or []
         self.on_lost = on_lost or []
         self.reachable = True
+        self.down_since: str | None = None  # UTC, ISO 8601: when it stopped answering
+        self.suspected = False  # a request lost the engine; the probe has not answered yet
         self._wake = asyncio.Event()
 
     def suspect(self) -> None:
         """A request lost its engine connection: probe now rather than at the next tick."""
+        self.suspected = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -101,20 +105,27 @@ class EngineWatch:
     async def check(self) -> EngineInfo | UpstreamError:
         """Probe now: the engine's info, or the error it failed with (a loss or a restart
         runs the hooks, whoever asked: the watch's own tick or a health check)."""
+        try:
+            return await self._check()
+        finally:
+            self.suspected = False
+
+    async def _check(self) -> EngineInfo | UpstreamError:
         backend, metrics = self.backend, self.metrics
         try:
             info = await probe(backend.adapter, self.probe_timeout_s)
         except UpstreamError as exc:
             metrics.upstream_up.labels(backend.label).set(0)
             log_event(self.log, logging.WARNING, "upstream unreachable", upstream=backend.label,
-                      error=exc.message)
+                      error=exc.message, fault=backend.adapter.fault())
             if self.reachable:
                 self.reachable = False
+                self.down_since = datetime.now(UTC).isoformat(timespec="seconds")
                 for lost in self.on_lost:
                     lost(f"engine unreachable ({exc.message})")
             return exc
         metrics.upstream_up.labels(backend.label).set(1)
-        self.reachable = True
+        self.reachable, self.down_since = True, None
         before, backend.info = backend.info, info
         if before is None or not restarted(before, info):
             return info

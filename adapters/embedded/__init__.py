@@ -1,11 +1,16 @@
 """The embedded engine: llama.cpp in process (llama-cpp-python), speaking llama-server's HTTP.
 
 ``EmbeddedAdapter`` is the proxy's way in: it drives the engine with the llama-server
-adapter over an in-process transport. The modules, in the order a completion meets them
+adapter over a Unix socket to the engine's worker process, so that a crash in llama.cpp
+ends the worker, never the proxy. The modules, in the order a completion meets them
 (the last two serve all of them):
 
+- ``client``: ``EmbeddedAdapter``, the proxy's side;
+- ``supervisor``: the worker process started, watched and restarted after a crash;
+- ``worker``: the worker's entry point (``python -m adapters.embedded.worker``);
+- ``cpu_paths``: which of llama.cpp's CPU paths the engine takes (chosen once at start);
 - ``adapter``: ``EngineConfig``, ``EmbeddedEngine`` (one model, ``n_slots`` slots, their
-  jobs), ``create_engine_app`` and ``EmbeddedAdapter``; the differences from llama-server;
+  jobs) and ``create_engine_app``; the differences from llama-server;
 - ``http``: llama-server's routes, status codes, error bodies and SSE responses;
 - ``request``: the request fields read with llama-server's leniency (``CompletionOptions``);
 - ``chat``: the GGUF's Jinja chat template rendered as llama-server renders it (jinja2);
@@ -25,12 +30,8 @@ imported when a model is loaded (``llama.load_bindings``), the template module w
 engine starts, so the proxy's light install (no ``embedded`` extra) can import it.
 """
 
-from adapters.embedded.adapter import (
-    EmbeddedAdapter,
-    EmbeddedEngine,
-    EngineConfig,
-    create_engine_app,
-)
+from adapters.embedded.adapter import EmbeddedEngine, EngineConfig, create_engine_app
+from adapters.embedded.client import EmbeddedAdapter
 from adapters.embedded.errors import (
     ApiError,
     ContextSizeError,

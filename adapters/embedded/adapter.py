@@ -1,9 +1,9 @@
-"""The embedded engine itself, its Starlette app and its adapter: llama.cpp in process
-(llama-cpp-python), speaking llama-server's HTTP.
+"""The embedded engine itself and its Starlette app: llama.cpp (llama-cpp-python) in the
+engine's worker process, speaking llama-server's HTTP.
 
 ``create_engine_app(config)`` returns a Starlette app that answers the llama-server
 endpoints the proxy uses, with the same paths, JSON shapes and cache figures, so the proxy
-drives it with the llama-server adapter over an in-process transport:
+drives it with the llama-server adapter (``adapters.embedded.client``):
 
     GET  /health /v1/health /props /models /v1/models /slots /metrics
     POST /v1/chat/completions /chat/completions /v1/completions
@@ -46,19 +46,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
+import logging
 import os
 import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Literal, TextIO
 
-import httpx
 from starlette.applications import Starlette
 
 from adapters.embedded.context import SlotContext
+from adapters.embedded.cpu_paths import choose_cpu_paths
 from adapters.embedded.errors import (
     ApiError,
     ContextSizeError,
@@ -79,10 +81,11 @@ from adapters.embedded.slots import (
     save_slot,
     wrap_slot_id,
 )
-from adapters.llama_server import LlamaServerAdapter
-from core.asgi_transport import StreamingASGITransport
 
-__all__ = ["EmbeddedAdapter", "EmbeddedEngine", "EngineConfig", "create_engine_app"]
+__all__ = ["EmbeddedEngine", "EngineConfig", "create_engine_app"]
+
+_LOG = logging.getLogger("prefixpin.embedded")
+_PATH_FIELDS = frozenset({"model_path", "slot_save_path"})
 
 
 def _default_threads() -> int:
@@ -108,8 +111,23 @@ class EngineConfig:
     n_threads: int | None = None
     slot_save_path: Path | None = None
     model_alias: str | None = None
+    repack: Literal["auto", "on", "off"] = "auto"  # llama.cpp's extra buffer types (cpu_paths)
     verbose: bool = False  # llama.cpp's own log on stderr (else: logger prefixpin.embedded.llama)
     show_progress: bool = True  # model loading progress on stderr
+
+    def to_json(self) -> str:
+        """The config as the worker process reads it (``from_json``)."""
+        return json.dumps({key: str(value) if key in _PATH_FIELDS and value is not None
+                           else value for key, value in asdict(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        raw: dict[str, Any] = json.loads(text)
+        known = {field.name for field in fields(cls)}
+        values: dict[str, Any] = {
+            key: Path(value) if key in _PATH_FIELDS and value is not None else value
+            for key, value in raw.items() if key in known}
+        return cls(**values)
 
     def __post_init__(self) -> None:
         for name in ("n_slots", "n_ctx", "n_batch"):
@@ -151,9 +169,12 @@ class EmbeddedEngine:
         lib = load_bindings()
         llama_log(lib).echo = config.verbose
         check_gguf_file(config.model_path)
+        self.cpu = choose_cpu_paths(config.repack, bytes(lib.llama_print_system_info()).decode())
+        _LOG.info("%s", self.cpu.line())
         stream = (progress_stream or sys.stderr) if config.show_progress else None
         self.model = LlamaModel(lib, config.model_path,
-                                _LoadProgress(stream, config.model_path.name))
+                                _LoadProgress(stream, config.model_path.name),
+                                use_extra_bufts=self.cpu.repack)
         self.info = self.model.info
         self.pool = SlotPool(self._create_slots(config))
         # jinja2 comes with the embedded extra: imported once that extra is known present
@@ -165,8 +186,9 @@ class EmbeddedEngine:
         # llama-server names the model by the -m path as given when no --alias is set
         self.model_name = config.model_alias or str(config.model_path)
         self.media_marker = f"<__media_{secrets.token_urlsafe(30)[:32]}__>"
-        self.build_info = f"embedded llama-cpp-python {_llama_cpp_version()}"
-        self.start_time = int(time.time())
+        self.build_info = (f"embedded llama-cpp-python {_llama_cpp_version()} "
+                           f"(repack {'on' if self.cpu.repack else 'off'})")
+        self.start_time = time.time()  # a restarted worker's differs, even within a second
         self.counters: dict[str, float] = dict.fromkeys(METRIC_HELP, 0)
         self._jobs: set[Job] = set()
         self._next_task = 0
@@ -314,26 +336,3 @@ def create_engine_app(config: EngineConfig, *, engine: EmbeddedEngine | None = N
     app = Starlette(routes=build_routes(running), lifespan=lifespan)
     app.state.engine = running
     return app
-
-
-class EmbeddedAdapter(LlamaServerAdapter):
-    """The embedded engine behind the llama-server adapter, over an in-process transport:
-    the proxy drives it exactly as it drives a real llama-server."""
-
-    name = "embedded"
-
-    def __init__(self, engine: EmbeddedEngine, http: httpx.AsyncClient) -> None:
-        super().__init__(http)
-        self.engine = engine
-
-    @classmethod
-    async def open(cls, config: EngineConfig, http_timeout: httpx.Timeout) -> EmbeddedAdapter:
-        engine = await EmbeddedEngine.aopen(config)
-        app = create_engine_app(config, engine=engine)
-        http = httpx.AsyncClient(base_url="http://embedded", timeout=http_timeout,
-                                 transport=StreamingASGITransport(app))
-        return cls(engine, http)
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-        await self.engine.aclose()

@@ -126,11 +126,14 @@ class ModelInfo:
 class LlamaModel:
     """One loaded GGUF model: weights, vocabulary and tokenizer."""
 
-    def __init__(self, lib: Any, path: Path, progress: Callable[[float], None]) -> None:
+    def __init__(self, lib: Any, path: Path, progress: Callable[[float], None], *,
+                 use_extra_bufts: bool) -> None:
         self.lib = lib
         self.path = path
         params = lib.llama_model_default_params()
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP  # one copy of the weights, shared by all slots
+        # False is llama-server's --no-repack: no AMX or CPU_REPACK buffer (core.cpu says why)
+        params.use_extra_bufts = use_extra_bufts
 
         def on_progress(fraction: float, _user: object) -> bool:
             progress(float(fraction))

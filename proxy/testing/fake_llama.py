@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +59,10 @@ class FakeLlamaConfig:
     # cache stays per slot. None: not declared, and the proxy assumes a shared host cache
     # (its flags are not readable: proxy.engines.read_engine).
     cache_ram: int | None = None
+    # The process kills itself with SIGSEGV, as an engine crashing in llama.cpp does: after
+    # its first prefill batch ("prefill") or at token fault_at ("stream"). Only for a fake
+    # in its own process (``main``: --die-at), never one in the test's.
+    die_at: str | None = None
 
 
 @dataclass(slots=True)
@@ -226,6 +232,8 @@ class FakeLlamaServer:
                 if body.get("return_progress"):
                     yield emit({**_role_chunk(envelope, chat), "prompt_progress": _progress(
                         len(tokens), cache, done, started)})
+                if self.config.die_at == "prefill" and done < len(tokens):
+                    _die()
             self.prompt_tokens_processed += len(tokens) - cache
             prompt_ms = (time.monotonic() - started) * 1000
             if fault == "hang":
@@ -253,6 +261,8 @@ class FakeLlamaServer:
                     yield emit({"error": {"code": 500, "message": "fault injected",
                                           "type": "server_error"}})
                     return
+                if self.config.die_at == "stream" and index == self.config.fault_at:
+                    _die()
                 if fault == "stall" and index == self.config.fault_at:
                     await asyncio.sleep(self.config.stall_s)
                 if self.config.token_delay_s:
@@ -384,6 +394,10 @@ async def _collect(stream: AsyncIterator[bytes], chat: bool) -> Response:
                          "choices": [choice]})
 
 
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m proxy.testing.fake_llama --port P [--reply-words N] [--slots N]
     [--token-delay-ms MS] [--sequence]``: serve the fake."""
@@ -398,13 +412,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--die-at", choices=("prefill", "stream"), default=None,
+                        help="crash (SIGSEGV) mid-prefill or at the second token")
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
+    parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--sequence", action="store_true",
                         help="every JSON event carries its index in the stream as \"seq\"")
     args = parser.parse_args(argv)
     reply = " ".join(f"w{i}" for i in range(args.reply_words))
     engine = FakeLlamaServer(FakeLlamaConfig(
         reply=reply, events_per_write=args.events_per_write, n_slots=args.slots,
-        token_delay_s=args.token_delay_ms / 1000, sequence=args.sequence, n_ctx=args.n_ctx))
+        token_delay_s=args.token_delay_ms / 1000, sequence=args.sequence, n_ctx=args.n_ctx,
+        die_at=args.die_at, prefill_s_per_token=args.prefill_ms_per_token / 1000,
+        batch=args.batch))
     # The backlog is raised for load tests: hundreds of clients connect at once.
     uvicorn.run(engine.app(), host="127.0.0.1", port=args.port, log_level="warning",
                 access_log=False, backlog=4096)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
 
 from adapters.base import Adapter, Frame, FrameKind
+from core.errors import ProxyError
 from core.figures import Figures, figures_from
 from tests.contract.conftest import OLLAMA_MODEL
 from tests.e2e.helpers import filler
@@ -161,9 +163,13 @@ async def test_a_disconnect_mid_prefill_frees_the_slot_and_keeps_what_was_proces
 
 
 async def test_slots_save_erase_and_restore(adapter: Adapter) -> None:
-    """A saved slot, erased, then restored, serves the same prompt from cache."""
+    """A saved slot, erased, then restored, serves the same prompt from cache; an engine
+    without slot files refuses each action with a clear error, touching nothing."""
     if not adapter.capabilities.slot_files:
-        pytest.skip(f"{adapter.name} has no slot files")
+        await refuses(adapter.save_slot(1, "contract.bin"), "slot files")
+        await refuses(adapter.restore_slot(1, "contract.bin"), "slot files")
+        await refuses(adapter.erase_slot(1), "slot files")
+        return
     body = chat("Remember this. " + filler(60, seed=6))
     cold, _ = await run(adapter, body, slot=1)
     saved = await adapter.save_slot(1, "contract.bin")
@@ -176,12 +182,21 @@ async def test_slots_save_erase_and_restore(adapter: Adapter) -> None:
 
 
 async def test_render_and_tokenize_as_the_chat_path_does(adapter: Adapter) -> None:
-    """apply-template + tokenize(add_special) count exactly the chat path's prompt tokens."""
+    """apply-template + tokenize(add_special) count exactly the chat path's prompt tokens;
+    an engine that renders nothing on request says so for each."""
     if not adapter.capabilities.render:
-        pytest.skip(f"{adapter.name} renders no template and tokenizes nothing on request")
+        await refuses(adapter.apply_template(chat("Count my tokens.")), "template rendering")
+        await refuses(adapter.tokenize("Count my tokens.", add_special=True), "tokenization")
+        return
     body = chat("Count my tokens.")
     prompt = await adapter.apply_template(body)
     tokens = await adapter.tokenize(prompt, add_special=True)
     figures, _ = await run(adapter, body, slot=1)
     assert "Count my tokens." in prompt
     assert len(tokens) == figures.prompt_tokens
+
+
+async def refuses(action: Awaitable[object], what: str) -> None:
+    """The adapter says it cannot do ``what``, as an error of the one exception tree."""
+    with pytest.raises(ProxyError, match=what):
+        await action

@@ -24,8 +24,7 @@ from proxy.models import DEFAULT_MODEL, model_path
 from tests.rig.parts import prepared
 from tests.rig.replica_process import start_replica
 
-pytestmark = [pytest.mark.embedded,
-              pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")]
+pytestmark = pytest.mark.embedded
 
 PREFIXPIN = Path(sys.executable).with_name("prefixpin")
 
@@ -52,7 +51,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def curl_json(url: str, body: dict[str, Any] | None = None) -> Any:
-    command = ["curl", "-sS", "--fail-with-body", "--max-time", "120", url]
+    curl = shutil.which("curl")
+    assert curl, "these tests drive prefixpin with the real curl: install it (apt-get install curl)"
+    command = [curl, "-sS", "--fail-with-body", "--max-time", "120", url]
     if body is not None:
         command += ["-H", "content-type: application/json", "-d", json.dumps(body)]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=150)

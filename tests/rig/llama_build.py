@@ -17,13 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.cpu import NO_AMX_CFLAGS, flags_digest
 from proxy.models import cache_root
 from tests.rig.parts import prepared
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # The UI assets would be fetched from a model hub at build time; the proxy never needs
-# them. HTTPS is for the server's own downloads, which we never use either.
+# them. HTTPS is for the server's own downloads, which we never use either. Native, but
+# without llama.cpp's AMX kernels, which crash as GCC builds them (core.cpu says why).
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_BUILD_TESTS=OFF",
@@ -33,12 +35,16 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
+    f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}",
 )
 
 
 def build_key() -> str:
+    """The sdist, the build flags and this CPU: a native binary built on a machine of the
+    same kind with another CPU may use instructions this one lacks, so it is rebuilt."""
     flags = hashlib.blake2b(" ".join(CMAKE_FLAGS).encode(), digest_size=4).hexdigest()
-    return f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{flags}"
+    return f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{flags}-cpu{flags_digest()}"
 
 
 def binary_path(root: Path | None = None) -> Path:
