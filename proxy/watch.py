@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from adapters.base import Adapter, EngineInfo
+from core.cpu import crash_advice, has_amx
 from core.errors import UpstreamError, UpstreamTimeoutError
 from proxy.logs import log_event
 from proxy.metrics import Metrics
@@ -121,6 +122,8 @@ class EngineWatch:
             if self.reachable:
                 self.reachable = False
                 self.down_since = datetime.now(UTC).isoformat(timespec="seconds")
+                log_event(self.log, logging.ERROR, "upstream lost", upstream=backend.label,
+                          error=exc.message, hint=crash_advice(amx=has_amx()))
                 for lost in self.on_lost:
                     lost(f"engine unreachable ({exc.message})")
             return exc

@@ -113,7 +113,11 @@ async def test_an_engine_process_that_crashes_ends_its_streams_and_the_other_lan
             assert "--no-repack" in lost["hint"], lost
 
 
-async def test_a_lone_crashed_engine_turns_healthz_503_naming_it() -> None:
+async def test_a_lone_crashed_engine_turns_healthz_503_naming_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The only engine dies mid-stream: /healthz is 503 naming the lane, with what to try,
+    and the log says it was lost, once."""
+    caplog.set_level(logging.INFO, "prefixpin")
     with dying_fake("stream") as (url, process):
         apps = create_apps(Settings(upstream=url, heartbeat_s=0.05, health_interval_s=0.2))
         app = apps.tenant
@@ -126,6 +130,8 @@ async def test_a_lone_crashed_engine_turns_healthz_503_naming_it() -> None:
     assert health["upstream"]["status"] == "unreachable"
     assert health["upstream"]["label"] == url[7:]
     assert "--no-repack" in health["upstream"]["hint"]
+    [lost] = [r for r in caplog.records if r.getMessage() == "upstream lost"]
+    assert "--no-repack" in lost.fields["hint"]  # type: ignore[attr-defined]
 
 
 @pytest.mark.embedded
