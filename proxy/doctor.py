@@ -349,11 +349,11 @@ def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Findi
         _metrics(obs), _slots_endpoint(obs), _slot_save_path(obs), _cache_prompt(obs),
         _unified_idle_slots(obs), _rollback(obs), _context_shift(obs), _return_progress(obs),
         _slot_context(obs, min_ctx), _slot_similarity(obs), _shared_cache(obs),
-        _cpu_paths(obs, amx=has_amx()),
+        cpu_paths_finding(obs, amx=has_amx()),
     ]
 
 
-def _cpu_paths(obs: Observations, *, amx: bool) -> Finding:
+def cpu_paths_finding(obs: Observations, *, amx: bool) -> Finding:
     """An upstream on this host, on a CPU with AMX, with weight repacking on."""
     if not amx:
         return Finding("cpu-paths", "ok", "--repack",

@@ -161,10 +161,13 @@ def test_gemma3_needs_swa_full(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_unreachable_upstream_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = doctor(capsys, f"http://127.0.0.1:{free_port()}")
+    url = f"http://127.0.0.1:{free_port()}"
+    code, report = doctor(capsys, url)
     assert code == 2
     assert not report["reachable"]
     assert report["error"]
+    assert main(["doctor", "--upstream", url]) == 2
+    assert "--no-repack" in capsys.readouterr().out  # what to try if it crashed
 
 
 @pytest.mark.parametrize("cache_ram", [None, "0"])

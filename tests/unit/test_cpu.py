@@ -20,6 +20,8 @@ from core.cpu import (
     library_has_amx,
     parse_flags,
 )
+from proxy.doctor import Observations, cpu_paths_finding
+from proxy.engine_facts import parse_llama_args
 from tests.rig.llama_build import CMAKE_FLAGS, build_key
 
 # llama_print_system_info() of a -march=native build on a Sapphire Rapids Xeon
@@ -159,3 +161,26 @@ def test_this_compiler_drops_the_amx_tile_configuration(tmp_path: Path) -> None:
 def test_the_summary_says_what_was_chosen(line: str) -> None:
     paths = choose_cpu_paths("auto", line)
     assert paths.summary().startswith(f"repack {'on' if paths.repack else 'off'}: auto")
+
+
+def _observed(argv: list[str], env: dict[str, str] | None = None) -> Observations:
+    flags = parse_llama_args(["llama-server", *argv], env or {}, "command line of process 1")
+    return Observations("http://127.0.0.1:8080", {}, 200, None, 200, 200, 400, "", None,
+                        flags, None, "", None)
+
+
+@pytest.mark.parametrize(("argv", "env", "status"), [
+    ([], {}, "warning"),
+    (["--no-repack"], {}, "ok"),
+    (["-nr"], {}, "ok"),
+    ([], {"LLAMA_ARG_REPACK": "0"}, "ok"),
+    (["--repack"], {}, "warning"),
+])
+def test_doctor_tells_a_llama_server_on_an_amx_cpu_to_add_no_repack(
+        argv: list[str], env: dict[str, str], status: str) -> None:
+    finding = cpu_paths_finding(_observed(argv, env), amx=True)
+    assert finding.status == status, finding
+    if status == "warning":
+        assert "--no-repack" in finding.fix
+        assert "AMX" in finding.summary
+    assert cpu_paths_finding(_observed(argv, env), amx=False).status == "ok"
