@@ -147,7 +147,10 @@ class EngineSupervisor:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "adapters.embedded.worker", self.config.to_json(),
             str(self.socket_path), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE,
+            # Its own session: a terminal's Ctrl-C reaches the proxy, which stops the worker
+            # in order, instead of ending the worker first (which would read as a crash).
+            start_new_session=True)
         worker = _Worker(process)
         try:
             await worker.ready()
