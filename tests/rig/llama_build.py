@@ -68,7 +68,7 @@ def ensure_llama_server(*, jobs: int | None = None, quiet: bool = False,
     _say(quiet, f"building llama-server {build_key()} (about 5 minutes on 2 cores)")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="prefixpin-build-") as tmp:
-        source = _unpack_vendored_tree(Path(tmp), quiet)
+        source = unpacked_tree(Path(tmp), quiet=quiet)
         built = _cmake_build(source, Path(tmp) / "build", jobs or os.cpu_count() or 2, quiet)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_suffix(".partial")
@@ -78,7 +78,8 @@ def ensure_llama_server(*, jobs: int | None = None, quiet: bool = False,
     return target
 
 
-def _unpack_vendored_tree(tmp: Path, quiet: bool) -> Path:
+def unpacked_tree(tmp: Path, *, quiet: bool = False) -> Path:
+    """Fetch the pinned sdist into ``tmp`` and unpack it there; the vendored llama.cpp tree."""
     _say(quiet, f"fetching llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist with pip download")
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
