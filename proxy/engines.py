@@ -44,6 +44,7 @@ from proxy.service import Planner
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
 from proxy.shared import SharedStatePlanner
+from proxy.system_turns import refuses_mid_system
 from proxy.tokens import TokenCounter
 from proxy.validation import Api
 
@@ -231,6 +232,11 @@ async def _read_engine(lane: Lane, info: EngineInfo, logger: logging.Logger) -> 
     lane.flags = None
     if kind.local_flags and lane.url is not None:
         lane.flags = await asyncio.to_thread(local_server_flags, lane.url)
+    lane.mid_system_in_place = await refuses_mid_system(lane.service.backend.adapter)
+    if lane.mid_system_in_place:
+        log_event(logger, logging.INFO, "system messages in place", upstream=lane.label,
+                  reason="the chat template refuses a system message after the first: each "
+                         "is rendered where it stands, as a <system-reminder> user turn")
     reason = lane.shared_cache = kind.shared_cache(lane.flags, info.props)
     if reason is None:
         log_event(logger, logging.INFO, "prompt cache per slot", upstream=lane.label,

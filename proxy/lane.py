@@ -53,6 +53,9 @@ class Lane:
     # The engine's flags from its command line (llama-server on this host), read once per
     # engine start by ``proxy.engines.read_engine``; None: not readable here.
     flags: ServerFlags | None = None
+    # The engine's chat template refuses a system message after the first position (Qwen3.x):
+    # such messages are rendered in place as user turns (``proxy.system_turns``).
+    mid_system_in_place: bool = False
 
     @property
     def up(self) -> bool:

@@ -15,6 +15,7 @@ lane that answers (``proxy.passthrough``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -57,6 +58,7 @@ from proxy.service import Backend, Incoming, ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
+from proxy.system_turns import has_mid_system, in_place
 from proxy.validation import (
     ClientRequest,
     read_body,
@@ -142,6 +144,9 @@ class Router:
         except ProxyError:
             self.metrics.requests.labels(client.endpoint, "client_error", client.api).inc()
             raise
+        if lane.mid_system_in_place and has_mid_system(client.body.get("messages")):
+            client = dataclasses.replace(
+                client, body={**client.body, "messages": in_place(client.body["messages"])})
         incoming = Incoming(client, headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)
 
