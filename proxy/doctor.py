@@ -19,7 +19,12 @@ What it reads, strongest evidence first:
    ``--probe-shared-cache`` shows whether the host prompt cache (``--cache-ram``) crosses
    slots: a ~200-token prompt cached on one slot, pushed out of it, then asked for on
    another slot; a cache hit there means tenants on this server can read each other's
-   cached prefixes (``proxy.isolation``).
+   cached prefixes (``proxy.isolation``). ``--probe-eviction`` measures, in tokens, what
+   survives on one slot: A's next turn on a warm slot, after an unrelated prompt pushed A
+   out (the host prompt cache), and after a save, erase and restore (``--slot-save-path``),
+   both as an exact extension of what the slot evaluated and as the chat template renders
+   the next turn (templates that rewrite the last assistant turn, such as Qwen3.5's, part
+   from the slot there; hybrid/recurrent and sliding-window memory cannot roll back).
 4. The GGUF metadata, when ``/props.model_path`` is a readable file here: sliding window,
    recurrent layers, and the KV bytes a full slot takes (to judge ``--cache-ram``).
 
@@ -68,8 +73,60 @@ PROBE_TOKENS, SECOND_TOKENS, EDIT_KEEP, EDIT_TAIL = 64, 16, 32, 8
 SHARED_TOKENS = 200  # --probe-shared-cache: the prefix one "tenant" leaves in the cache
 CONTEXT_SHIFT_PREDICT = 12
 
+# --probe-eviction: a small chat (a ~200-token system prompt, one user turn) and its next
+# turn. A few predicted tokens give A a reply to extend; the slot file keeps its fixed name,
+# so a second run overwrites the first one's instead of adding to the directory.
+EVICTION_SYSTEM = {"role": "system", "content": (
+    "You are the assistant of a small bakery. Answer questions about opening hours, "
+    "bread, cakes and orders politely and briefly. ") * 8}
+EVICTION_USER = {"role": "user", "content": "Do you bake rye bread on Sundays?"}
+EVICTION_NEXT = {"role": "user", "content": "And on Mondays?"}
+EVICTION_PREDICT = 4
+EVICTION_FILE = "prefixpin-doctor-eviction.bin"
+# Stands in for the assistant's reply when rendering the next turn: what the template puts
+# after it is the next turn as it renders it, whatever the reply.
+REPLY_MARK = "prefixpin-doctor-reply-mark"
+# The steps, in the order they run and print.
+WARM, WARM_NEXT, EVICTED, RESTORED, RESTORED_NEXT = (
+    "warm", "warm-next-turn", "evicted", "restored", "restored-next-turn")
+STEP_WORDS = {
+    WARM: "warm slot, exact extension",
+    WARM_NEXT: "warm slot, next chat turn",
+    EVICTED: "pushed out by another prompt, exact extension",
+    RESTORED: "saved, erased and restored, exact extension",
+    RESTORED_NEXT: "saved, erased and restored, next chat turn",
+}
+
 
 # ---------------------------------------------------------------- probes over HTTP
+
+@dataclass(frozen=True, slots=True)
+class Survival:
+    """One --probe-eviction step: of ``prompt`` tokens, ``cached`` came from the cache
+    (timings.cache_n); ``reusable`` is how many of them matched what the slot had evaluated
+    before, the most it could have kept."""
+
+    cached: int
+    prompt: int
+    reusable: int
+
+    @property
+    def kept(self) -> bool:
+        return self.reusable > 0 and self.cached >= self.reusable // 2
+
+    def words(self) -> str:
+        return (f"cached {self.cached} of {self.prompt} prompt tokens "
+                f"({self.reusable} reusable)")
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """A's first request as the slot evaluated it, and the two ways its next turn comes."""
+
+    held: list[int]  # A's prompt and its reply but the last token (sampled, not evaluated)
+    exact: list[int]  # A's prompt, its reply's tokens, the next user turn: token for token
+    natural: list[int]  # the whole chat rendered again by the template, next turn included
+
 
 @dataclass(slots=True)
 class ProbeResults:
@@ -85,6 +142,8 @@ class ProbeResults:
     shared_cache: bool | None = None  # a prefix cached on one slot was reused on another
     shared_cache_n: int | None = None  # cache_n of that request
     shared_cache_slots: tuple[int, int] = (0, 0)  # (where it was cached, where it was asked)
+    eviction: dict[str, Survival] = field(default_factory=dict)  # --probe-eviction, by step
+    eviction_slot: int | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -175,11 +234,14 @@ class _Prober:
         self.results.first_slot, self.results.second_slot = self.first, self.second
 
     def run(self, *, context_shift: bool, slot_ctx: int | None,
-            shared_cache: bool = False) -> ProbeResults:
+            shared_cache: bool = False, eviction: bool = False,
+            slot_files: bool = False) -> ProbeResults:
         try:
             self._run_all(context_shift, slot_ctx)
             if shared_cache:
                 self._shared_cache()
+            if eviction:
+                self._eviction(slot_files)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # A probe that fails leaves its finding unknown; the error is reported.
             self.results.errors.append(f"{type(exc).__name__}: {exc}")
@@ -227,6 +289,75 @@ class _Prober:
         cached = self._cached(prefix + tail, asked)
         r.shared_cache_n, r.shared_cache_slots = cached, (self.first, asked)
         r.shared_cache = cached >= len(prefix) // 2
+
+    def _eviction(self, slot_files: bool) -> None:
+        """A -> B -> A on one slot. Each step starts from A's first request, so that what
+        the slot held before it is known. With --slot-save-path (every slot action needs
+        it, erase included) the slot is erased at the end."""
+        slot, steps = self.first, self.results.eviction
+        self.results.eviction_slot = slot
+        suffix = self._next_turn_suffix()
+        turn = self._first_turn(slot, suffix)
+        steps[WARM] = self._survival(turn.exact, turn.held, slot)
+        turn = self._first_turn(slot, suffix)
+        steps[WARM_NEXT] = self._survival(turn.natural, turn.held, slot)
+        turn = self._first_turn(slot, suffix)
+        self._complete(self._tokens("zebra quartz violin harbor eleven", SHARED_TOKENS), slot,
+                       cache_prompt=True)
+        steps[EVICTED] = self._survival(turn.exact, turn.held, slot)
+        if slot_files:
+            turn = self._first_turn(slot, suffix)
+            self._slot_action(slot, "save")
+            for step, prompt in ((RESTORED, turn.exact), (RESTORED_NEXT, turn.natural)):
+                # Erased first: what the request then finds came from the file alone.
+                self._slot_action(slot, "erase")
+                self._slot_action(slot, "restore")
+                steps[step] = self._survival(prompt, turn.held, slot)
+            self._slot_action(slot, "erase")
+
+    def _first_turn(self, slot: int, suffix: list[int]) -> _Turn:
+        prompt = self._rendered([EVICTION_SYSTEM, EVICTION_USER])
+        data = self._complete(prompt, slot, n_predict=EVICTION_PREDICT, return_tokens=True,
+                              cache_prompt=True)
+        reply = [int(t) for t in data["tokens"]]
+        said = {"role": "assistant", "content": str(data.get("content") or "")}
+        natural = self._rendered([EVICTION_SYSTEM, EVICTION_USER, said, EVICTION_NEXT])
+        return _Turn(prompt + reply[:-1], prompt + reply + suffix, natural)
+
+    def _next_turn_suffix(self) -> list[int]:
+        """What the template writes after an assistant reply: its end and the next user
+        turn, up to the generation prompt."""
+        said = {"role": "assistant", "content": REPLY_MARK}
+        text = self._template([EVICTION_SYSTEM, EVICTION_USER, said, EVICTION_NEXT])
+        if REPLY_MARK not in text:
+            raise ValueError("the chat template does not render the assistant's reply")
+        return self._tokenize(text.rsplit(REPLY_MARK, 1)[1], add_special=False)
+
+    def _template(self, messages: list[dict[str, str]]) -> str:
+        response = self.client.post("/apply-template", {"messages": messages})
+        response.raise_for_status()
+        return str(response.json()["prompt"])
+
+    def _rendered(self, messages: list[dict[str, str]]) -> list[int]:
+        # As llama-server tokenizes a text prompt: with BOS, special tokens parsed.
+        return self._tokenize(self._template(messages), add_special=True)
+
+    def _tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        response = self.client.post("/tokenize", {"content": text, "add_special": add_special,
+                                                  "parse_special": True})
+        response.raise_for_status()
+        return [t if isinstance(t, int) else int(t["id"]) for t in response.json()["tokens"]]
+
+    def _survival(self, prompt: list[int], held: list[int], slot: int) -> Survival:
+        # cache_prompt as a client asks for it: what the engine keeps, whatever its default.
+        timings = self._complete(prompt, slot, cache_prompt=True)["timings"]
+        cached = int(timings["cache_n"])
+        return Survival(cached, cached + int(timings["prompt_n"]), _common_prefix(prompt, held))
+
+    def _slot_action(self, slot: int, action: str) -> None:
+        response = self.client.post(f"/slots/{slot}?action={action}",
+                                    {"filename": EVICTION_FILE})
+        response.raise_for_status()
 
     def _tokens(self, text: str, n: int) -> list[int]:
         words = (text + " ") * (n // 2 + 4)
@@ -279,6 +410,15 @@ class _Prober:
         return predicted >= CONTEXT_SHIFT_PREDICT
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, int]:
     if not slots:
         return 0, min(1, total - 1)
@@ -291,7 +431,8 @@ def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, i
 
 def collect(upstream: str, *, probe: bool = True, local: bool = True,
             probe_context_shift: bool = False, probe_shared_cache: bool = False,
-            timeout: float = 120.0, api_key: str | None = None) -> Observations:
+            probe_eviction: bool = False, timeout: float = 120.0,
+            api_key: str | None = None) -> Observations:
     """Read everything doctor judges. Raises UpstreamUnavailableError when the server
     cannot be reached or is not ready. ``api_key``: the server's --api-key."""
     client = _Client(upstream, timeout, api_key)
@@ -321,9 +462,10 @@ def collect(upstream: str, *, probe: bool = True, local: bool = True,
         if probe:
             total = int(props.get("total_slots") or len(slots or []) or 1)
             slot_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
-            results = _Prober(client, slots, total).run(context_shift=probe_context_shift,
-                                                        slot_ctx=slot_ctx,
-                                                        shared_cache=probe_shared_cache)
+            results = _Prober(client, slots, total).run(
+                context_shift=probe_context_shift, slot_ctx=slot_ctx,
+                shared_cache=probe_shared_cache, eviction=probe_eviction,
+                slot_files=_slot_files_on(action.status_code, _error_message(action)))
         return Observations(upstream, props if isinstance(props, dict) else {},
                             health.status_code, slots, slots_response.status_code,
                             metrics.status_code, action.status_code, _error_message(action),
@@ -345,12 +487,14 @@ class Finding:
 
 
 def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Finding]:
-    return [
+    findings = [
         _metrics(obs), _slots_endpoint(obs), _slot_save_path(obs), _cache_prompt(obs),
         _unified_idle_slots(obs), _rollback(obs), _context_shift(obs), _return_progress(obs),
         _slot_context(obs, min_ctx), _slot_similarity(obs), _shared_cache(obs),
         cpu_paths_finding(obs, amx=has_amx()),
     ]
+    eviction = _eviction(obs)  # opt-in: no finding unless --probe-eviction ran
+    return findings if eviction is None else [*findings, eviction]
 
 
 def cpu_paths_finding(obs: Observations, *, amx: bool) -> Finding:
@@ -407,6 +551,11 @@ def _slots_endpoint(obs: Observations) -> Finding:
                    "remove --no-slots", f"GET /slots answered {obs.slots_status}")
 
 
+def _slot_files_on(status: int, message: str) -> bool:
+    """The invalid slot action got past the --slot-save-path check."""
+    return status == 400 and "action" in message.lower()
+
+
 def _slot_save_path(obs: Observations) -> Finding:
     evidence = (f"POST /slots/0?action={SLOT_ACTION_PROBE} answered {obs.slot_action_status} "
                 f"{obs.slot_action_message!r}")
@@ -416,7 +565,7 @@ def _slot_save_path(obs: Observations) -> Finding:
                        "evicted from its slot (or a restart) means a full re-prefill",
                        "add --slot-save-path DIR (an existing directory on a fast disk)",
                        evidence)
-    if obs.slot_action_status == 400 and "action" in obs.slot_action_message.lower():
+    if _slot_files_on(obs.slot_action_status, obs.slot_action_message):
         return Finding("slot-save-path", "ok", "--slot-save-path",
                        "--slot-save-path is set: slots can be parked on disk", evidence=evidence)
     return Finding("slot-save-path", "unknown", "--slot-save-path",
@@ -656,6 +805,81 @@ def _shared_cache(obs: Observations) -> Finding:
                    "(bearer token) on this server and refuses the others", FIX, evidence)
 
 
+def _memory_kind(obs: Observations) -> str:
+    """The model's memory, as the GGUF tells it: what decides what a slot can give back."""
+    model = obs.model
+    if model is None:
+        return "the model"
+    if model.recurrent:
+        return f"{model.architecture} (hybrid/recurrent memory)"
+    if model.sliding_window:
+        swa_full = obs.flags.boolean("swa_full") if obs.flags else None
+        after = "" if swa_full is None else (
+            ", with --swa-full" if swa_full else ", without --swa-full")
+        return (f"{model.architecture} (sliding-window attention, {model.sliding_window} "
+                f"tokens{after})")
+    return f"{model.architecture} (full attention)"
+
+
+def _eviction(obs: Observations) -> Finding | None:
+    """What --probe-eviction measured, judged: the worst loss first. A restore that keeps
+    nothing even for an exact extension is a setting (--swa-full); one that keeps only an
+    exact extension is the memory's nature (a slot file carries no context checkpoints)."""
+    steps = obs.probes.eviction if obs.probes else {}
+    if not steps:
+        return None
+    kind = _memory_kind(obs)
+    evidence = _join(*(f"{STEP_WORDS[k]}: {v.words()}" for k, v in steps.items()))
+    kept = {k: v.kept for k, v in steps.items()}
+    model = obs.model
+    sliding = model is not None and model.sliding_window > 0 and not model.recurrent
+    if kept.get(WARM) is False:
+        return Finding("eviction", "problem", "--cache-prompt",
+                       f"{kind}: even a warm slot re-reads the next turn from the start "
+                       "(requests asked for cache_prompt)", evidence=evidence)
+    if kept.get(RESTORED) is False:
+        if sliding or model is None:
+            return Finding("eviction", "problem", "--swa-full",
+                           f"{kind}: a restored slot keeps nothing, even for an exact "
+                           "extension (a slot file holds only the sliding window's last "
+                           "cells, and no context checkpoints)",
+                           "add --swa-full (costs VRAM: the sliding-window layers then keep "
+                           "the whole context)", evidence)
+        return Finding("eviction", "problem", "--slot-save-path",
+                       f"{kind}: a restored slot keeps nothing, even for an exact extension",
+                       evidence=evidence)
+    if kept.get(RESTORED_NEXT) is False:
+        return Finding("eviction", "warning", "--slot-save-path",
+                       f"{kind}: a restored slot is re-processed from token 0 unless the "
+                       "request extends it exactly (a slot file carries no context "
+                       "checkpoints, and this memory cannot roll back to where the "
+                       "template's next turn parts from it)",
+                       "keep such sessions resident (enough slots and --cache-ram), or "
+                       "send the next turn as an exact extension of the previous prompt "
+                       "and reply", evidence)
+    if kept.get(EVICTED) is False and RESTORED not in steps:
+        return Finding("eviction", "warning", "--cache-ram",
+                       f"{kind}: a session pushed out of its slot by another prompt is "
+                       "re-read in full (no host prompt cache: --cache-ram 0, or too small); "
+                       "slot files (--slot-save-path) were not measured",
+                       "add --slot-save-path (prefixpin parks sessions there), or raise "
+                       "--cache-ram", evidence)
+    if kept.get(WARM_NEXT) is False:
+        return Finding("eviction", "warning", "-cms",
+                       f"{kind}: the next chat turn is re-read from the start, even on a "
+                       "warm slot (the template rewrites the last turn and no context "
+                       "checkpoint sits before it)",
+                       "lower -cms (e.g. -cms 1024) and raise -ctxcp", evidence)
+    restored = " and after a restore from a slot file" if RESTORED in steps else (
+        " (restores not measured: no --slot-save-path)")
+    # --cache-ram 0 is a choice (proxy.isolation): the slot files then bring sessions back.
+    where = (f"on a warm slot, after eviction{restored}" if kept.get(EVICTED) else
+             f"on a warm slot{restored}, not after eviction (no host prompt cache: "
+             "--cache-ram 0, or too small)")
+    return Finding("eviction", "ok", "--slot-save-path",
+                   f"{kind}: a session's cached prompt survives {where}", evidence=evidence)
+
+
 # ---------------------------------------------------------------- the recommendation
 
 def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]:
@@ -700,6 +924,8 @@ class Report:
     server: dict[str, Any]
     sources: list[str]
     error: str = ""
+    # --probe-eviction's figures in tokens, by step: {"cached", "prompt", "reusable"}
+    eviction: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -711,7 +937,8 @@ class Report:
         return {"upstream": self.upstream, "reachable": self.reachable, "error": self.error,
                 "server": self.server, "sources": self.sources,
                 "findings": [asdict(f) for f in self.findings],
-                "recommended_command": self.command, "exit_code": self.exit_code}
+                "recommended_command": self.command, "eviction": self.eviction,
+                "exit_code": self.exit_code}
 
 
 def build_report(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> Report:
@@ -729,8 +956,13 @@ def build_report(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> Report
     server = {"build_info": obs.props.get("build_info"), "model_path": obs.props.get(
         "model_path"), "total_slots": obs.total_slots, "slot_ctx": obs.slot_ctx,
         "architecture": obs.model.architecture if obs.model else None}
+    eviction = {k: asdict(v) for k, v in obs.probes.eviction.items()} if obs.probes else {}
+    if obs.probes and obs.probes.eviction_slot is not None:
+        sources.append(f"eviction probe on slot {obs.probes.eviction_slot}"
+                       + (f" (erased after; slot file {EVICTION_FILE})"
+                          if RESTORED in obs.probes.eviction else ""))
     return Report(obs.upstream, True, diagnose(obs, min_ctx=min_ctx),
-                  recommend(obs, min_ctx=min_ctx), server, sources)
+                  recommend(obs, min_ctx=min_ctx), server, sources, eviction=eviction)
 
 
 MARKS: dict[Status, str] = {"problem": "PROBLEM", "warning": "warning", "ok": "ok",
@@ -752,6 +984,11 @@ def render_text(report: Report) -> str:
             lines.append(f"{'':<8} {'':<17} fix: {f.fix}")
         if f.evidence:
             lines.append(f"{'':<8} {'':<17} seen: {f.evidence}")
+    if report.eviction:
+        lines += ["", "What survives on one slot (--probe-eviction), in prompt tokens:"]
+        lines += [f"  {STEP_WORDS.get(step, step) + ':':<48} cached {v['cached']:>6} of "
+                  f"{v['prompt']:>6} ({v['reusable']} reusable)"
+                  for step, v in report.eviction.items()]
     problems = sum(f.status == "problem" for f in report.findings)
     lines += ["", f"{problems} setting(s) defeat prompt caching." if problems else
               "Nothing found that defeats prompt caching.",
@@ -761,13 +998,13 @@ def render_text(report: Report) -> str:
 
 def run(upstream: str, *, probe: bool = True, local: bool = True,
         probe_context_shift: bool = False, probe_shared_cache: bool = False,
-        min_ctx: int = DEFAULT_MIN_CTX, timeout: float = 120.0,
-        api_key: str | None = None) -> Report:
+        probe_eviction: bool = False, min_ctx: int = DEFAULT_MIN_CTX,
+        timeout: float = 120.0, api_key: str | None = None) -> Report:
     try:
         obs = collect(upstream, probe=probe, local=local,
                       probe_context_shift=probe_context_shift,
-                      probe_shared_cache=probe_shared_cache, timeout=timeout,
-                      api_key=api_key)
+                      probe_shared_cache=probe_shared_cache, probe_eviction=probe_eviction,
+                      timeout=timeout, api_key=api_key)
     except UpstreamUnavailableError as exc:
         return Report(upstream, False, [], [], {}, [], error=exc.message)
     return build_report(obs, min_ctx=min_ctx)
@@ -792,6 +1029,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{SHARED_TOKENS}-token prompt cached on one slot, pushed out, then "
                         "asked for on another (about 600 prompt tokens; evicts those two "
                         "slots' prompts into the server's host cache)")
+    parser.add_argument("--probe-eviction", action="store_true",
+                        help="also measure, in tokens, what a session keeps on this engine "
+                        "and model: on a warm slot, after another prompt pushed it out (host "
+                        "prompt cache), and after a save, erase and restore (with "
+                        "--slot-save-path). Uses one idle slot (about 2500 prompt tokens, "
+                        "mostly cached); with --slot-save-path it erases that slot at the "
+                        f"end and leaves the slot file {EVICTION_FILE} there")
     parser.add_argument("--no-local", dest="local", action="store_false",
                         help="do not read the server process's command line from /proc")
     parser.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,
@@ -803,7 +1047,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     report = run(args.upstream, probe=args.probe, local=args.local,
                  probe_context_shift=args.probe_context_shift,
-                 probe_shared_cache=args.probe_shared_cache, min_ctx=args.min_ctx,
+                 probe_shared_cache=args.probe_shared_cache,
+                 probe_eviction=args.probe_eviction, min_ctx=args.min_ctx,
                  timeout=args.timeout, api_key=args.engine_api_key)
     if args.json:
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
