@@ -8,7 +8,7 @@ to render and tokenize prompts exactly as the engine would.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -132,6 +132,11 @@ class Adapter(Protocol):
     async def restore_slot(self, slot: int, filename: str) -> SlotFileResult: ...
 
     async def erase_slot(self, slot: int) -> None: ...
+
+    async def prefill(self, slot: int, tokens: Sequence[int]) -> int:
+        """Evaluate ``tokens`` into ``slot`` (reusing what it holds) and generate nothing;
+        how many tokens the slot then holds."""
+        ...
 
     async def apply_template(self, body: Mapping[str, Any]) -> str: ...
 

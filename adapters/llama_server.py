@@ -12,7 +12,7 @@ OpenAI chunks, and ends with a ``"stop": true`` event instead of ``[DONE]``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -141,6 +141,15 @@ class LlamaServerAdapter:
 
     async def erase_slot(self, slot: int) -> None:
         await post_json(self.http, f"/slots/{slot}", {}, "slot erase", params={"action": "erase"})
+
+    async def prefill(self, slot: int, tokens: Sequence[int]) -> int:
+        # n_predict 0: llama-server evaluates the prompt into the slot and samples one token
+        # it never evaluates, so the slot holds exactly ``tokens``.
+        result = await post_json(self.http, "/completion", {
+            "prompt": list(tokens), "n_predict": 0, "id_slot": slot, "cache_prompt": True,
+            "temperature": 0}, "prefill")
+        timings = result.get("timings") or {}
+        return int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         result = await post_json(self.http, "/apply-template", body, "POST /apply-template")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -131,6 +131,9 @@ class OllamaAdapter:
 
     async def erase_slot(self, slot: int) -> None:
         raise _unsupported("slot files")
+
+    async def prefill(self, slot: int, tokens: Sequence[int]) -> int:
+        raise _unsupported("slot prefills")
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         raise _unsupported("template rendering")

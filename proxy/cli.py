@@ -93,6 +93,10 @@ OPTIONS = {"park-ahead": ("park_ahead", "on an engine short of slots, save a ses
                           "after its turn while the engine is otherwise idle, so the next "
                           "session's request finds it parked already instead of saving it "
                           "first (default on; env PREFIXPIN_PARK_AHEAD=0)"),
+           "anchor": ("anchor", "on recurrent/hybrid memory (Qwen3.5, Qwen3-Next, ...), "
+                      "before parking a slot ahead, evaluate its session's next request's "
+                      "opening into it, so a restore is an extension (default on; env "
+                      "PREFIXPIN_ANCHOR=0)"),
            "allow-shared-cache": ("allow_shared_cache", "let several namespaces (bearer "
                                   "tokens) share an engine whose prompt cache crosses slots "
                                   "(llama-server with --cache-ram above 0, its default; every "

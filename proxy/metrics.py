@@ -118,6 +118,9 @@ class Metrics:
                              "not, by outcome", ["outcome"], registry=r)
         self.restores = Counter("prefixpin_restores", "Parked sessions restored into a slot, "
                                 "or declined, by outcome", ["outcome"], registry=r)
+        self.anchors = Counter("prefixpin_anchors", "Slots made to hold their session's next "
+                               "request's opening before parking (recurrent/hybrid memory), "
+                               "by outcome", ["outcome"], registry=r)
         self.park_seconds = Histogram("prefixpin_park_seconds",
                                       "Saving and checking one parked session",
                                       buckets=SECONDS_BUCKETS, registry=r)

@@ -109,6 +109,9 @@ class Settings(BaseSettings):
     park_ahead: bool = Field(True, description="On an engine short of slots, save a slot "
                              "after its turn while the engine is idle, so the next "
                              "request's eviction of it costs nothing")
+    anchor: bool = Field(True, description="On recurrent/hybrid memory, before parking a slot "
+                         "ahead, evaluate its session's next request's opening into it, so "
+                         "that a restore is an extension (proxy.parking.anchor)")
     park_shared: bool = Field(False, description="Every engine's --slot-save-path is "
                               "park_dir (one directory for all engines and replicas): a "
                               "file one engine saved may be restored into another")

@@ -149,7 +149,8 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
         off(problem)
         return None
     config = ParkConfig(files_dir, settings.park_max_bytes, settings.park_min_tokens,
-                        settings.park_verify == "full", park_ahead=settings.park_ahead)
+                        settings.park_verify == "full", park_ahead=settings.park_ahead,
+                        anchor=settings.anchor)
     replicated = cluster is not None and info.engine != "embedded"
     index: ParkIndexStore
     if replicated:

@@ -30,6 +30,7 @@ from core.errors import ProxyError
 from proxy.history import Committed, decide
 from proxy.logs import log_event
 from proxy.metrics import Metrics
+from proxy.parking.anchor import next_request_opening
 from proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from proxy.parking.limits import EngineLimits
 from proxy.parking.slotfile import (
@@ -72,6 +73,9 @@ class ParkConfig:
     # Save a slot after its turn, while the engine is idle, when it is likely to be evicted
     # next: the eviction then finds its file current and costs the next request nothing.
     park_ahead: bool = False
+    # Before parking ahead on memory that cannot roll back, evaluate the next request's
+    # opening into the slot (``proxy.parking.anchor``): every restore is then an extension.
+    anchor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,25 +234,34 @@ class ParkManager:
         return record
 
     def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
-        """After a session's turn, on an engine short of slots: save its slot in the
-        background once it stays idle, so that its eviction by the next session's request
-        finds the file current (``park``'s unchanged case) instead of saving on that
-        request's path. Only while no other slot is busy (a save pauses every stream of the
-        engine) and never for a slot table replicas share (its copy here may be stale)."""
-        if (not self.config.park_ahead or self.suspended is not None
-                or _shared_table(pool) is not None or not pool.contended(PARK_AHEAD_WITHIN_S)):
+        """After a session's turn, once its slot stays idle: on memory that cannot roll
+        back, anchor it (``_anchor``); on an engine short of slots, save it, so that its
+        eviction by the next session's request finds the file current (``park``'s
+        unchanged case) instead of saving on that request's path. Only while no other slot
+        is busy (a save pauses every stream of the engine) and never for a slot table
+        replicas share (its copy here may be stale)."""
+        save = self.config.park_ahead and pool.contended(PARK_AHEAD_WITHIN_S)
+        if (self.suspended is not None or _shared_table(pool) is not None
+                or not (save or self._anchors())):
             return
         task = asyncio.get_running_loop().create_task(
-            self._park_ahead(pool, slot, session_id), name=f"prefixpin-park-ahead-{slot}")
+            self._park_ahead(pool, slot, session_id, save=save),
+            name=f"prefixpin-park-ahead-{slot}")
         self._ahead.add(task)
         task.add_done_callback(self._ahead.discard)
 
-    async def _park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
+    async def _park_ahead(self, pool: SlotPool, slot: int, session_id: str, *,
+                          save: bool) -> None:
         await asyncio.sleep(PARK_AHEAD_DELAY_S)
         if pool.others_busy(slot):
             return
         async with pool.holding(slot, session_id) as entry:
-            if entry is not None and self._fits_ahead(session_id, entry.tokens):
+            if entry is None:
+                return
+            anchored = await self._anchor(slot, session_id)
+            if anchored is not None:
+                entry.tokens = anchored
+            if save and self._fits_ahead(session_id, entry.tokens):
                 record = await self._save(
                     Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
                 if record is not None:
@@ -256,6 +269,34 @@ class ParkManager:
                     # saved): the file's count, which the unchanged case compares at the
                     # eviction, where the pool had its estimate.
                     entry.tokens = record.n_tokens
+
+    def _anchors(self) -> bool:
+        return self.config.anchor and self.limits.exact_extension_only
+
+    async def _anchor(self, slot: int, session_id: str) -> int | None:
+        """Make the slot hold its session's next request's opening (recurrent/hybrid
+        memory only); how many tokens it then holds, None when not anchored."""
+        if not self._anchors():
+            return None
+        session = await self._session_of(session_id)
+        if session is None or session.committed is None or session.committed.body is None:
+            return None
+        started = time.monotonic()
+        try:
+            opening = await next_request_opening(self.adapter, session.committed.body,
+                                                 session.repair.last_reply)
+            if not opening:
+                return None
+            held = await self.adapter.prefill(slot, opening)
+        except ProxyError as exc:
+            self.metrics.anchors.labels("failed").inc()
+            log_event(self.log, logging.WARNING, "anchor failed", session=session_id,
+                      slot=slot, error=exc.message)
+            return None
+        self.metrics.anchors.labels("anchored").inc()
+        log_event(self.log, logging.INFO, "anchored", session=session_id, slot=slot,
+                  tokens=held, ms=round((time.monotonic() - started) * 1000, 1))
+        return held
 
     def _fits_ahead(self, session_id: str, tokens: int) -> bool:
         """A file parked ahead is a spare copy of a history the slot still holds: it never

@@ -1,0 +1,120 @@
+"""Anchoring on hybrid recurrent memory, against the real llama-server: two sessions take
+turns on one slot of Qwen3.5's architecture with its real chat template, which renders the
+last reply again (its reasoning dropped), so the next request never extends what the slot
+held when it was saved.
+
+The model is the rig's tiny random-weight ``qwen35`` (``tests.rig.tiny_models``): what it
+says is noise; the recurrent state, the checkpoints, the slot files and the template are
+real.
+
+With anchoring (the default), a session parked ahead is restored as an extension and its
+next turn reads its whole previous prompt from cache; with ``--no-anchor`` the same restore
+is declined and the turn re-reads everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.app import create_apps
+from proxy.settings import Settings
+from tests.app.conftest import ProxyClient, clients_of, lanes_ready
+from tests.app.test_parking import metric
+from tests.e2e.helpers import filler
+from tests.rig.llama_process import LlamaServerProcess, run_llama_server
+from tests.rig.tiny_models import ensure_tiny_model
+
+pytestmark = [pytest.mark.llama, pytest.mark.anyio]
+
+Json = dict[str, Any]
+
+
+@pytest.fixture
+def park(tmp_path: Path) -> Path:
+    path = tmp_path / "slots"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def qwen35(park: Path) -> Iterator[LlamaServerProcess]:
+    with run_llama_server(ensure_tiny_model("qwen35-tiny"), slots=1, ctx_per_slot=8192,
+                          slot_save_path=park, threads=1,
+                          extra=["--cache-ram", "0"]) as handle:
+        yield handle
+
+
+class Agent:
+    """One session: a system prompt of its own, a user turn per step, each reply sent back
+    as the engine returned it (reasoning included: the template drops it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.messages: list[Json] = [{"role": "system", "content": f"You are agent {name}. "
+                                      + filler(200, seed=ord(name))}]
+        self.usage: list[Json] = []
+
+    async def turn(self, client: ProxyClient, step: int) -> Json:
+        self.messages.append({"role": "user", "content": f"Step {step}: "
+                              + filler(40, seed=ord(self.name) * 10 + step)})
+        response = await client.post(
+            "/v1/chat/completions", headers={"x-session-id": f"agent-{self.name}"},
+            json={"messages": self.messages, "max_tokens": 16, "temperature": 0})
+        assert response.status_code == 200, response.text
+        body: Json = response.json()
+        self.messages.append(body["choices"][0]["message"])
+        self.usage.append(body["usage"])
+        return body
+
+
+async def settle(client: ProxyClient, name: str, count: float, **labels: str) -> None:
+    """Until the counter reaches ``count`` (parking ahead runs in the background)."""
+    async with asyncio.timeout(30):
+        while await metric(client, name, **labels) < count:  # noqa: ASYNC110 (a metric has no event to wait on)
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+async def test_a_restore_after_anchoring_is_an_extension(
+        qwen35: LlamaServerProcess, park: Path, anchor: bool) -> None:
+    """A and B alternate on one slot, each turn after the other's slot went idle (the time
+    a user or a tool takes). Anchored, every return is a restore of a file the request
+    extends: its whole previous prompt and reply cached. Not anchored, the same restores
+    are declined (the template rewrote the last reply) and every return re-reads all."""
+    config = Settings(upstream=qwen35.url, park_dir=park,
+                      park_index_dir=park.with_name("index"), park_min_tokens=32,
+                      anchor=anchor, health_interval_s=0.5)
+    apps = create_apps(config)
+    app = apps.tenant
+    agents = [Agent("A"), Agent("B")]
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        for step in (1, 2, 3):
+            for agent in agents:
+                await agent.turn(client, step)
+                if anchor:  # its slot idles: anchored before the other session comes
+                    await settle(client, "prefixpin_anchors_total", len(agent.usage) * 2
+                                 - (agent.name == "A"), outcome="anchored")
+        restored = await metric(client, "prefixpin_restores_total", outcome="restored")
+        declined = await metric(client, "prefixpin_restores_total", outcome="diverged")
+        anchors = await metric(client, "prefixpin_anchors_total", outcome="anchored")
+    returns = [(before, after) for agent in agents
+               for before, after in itertools.pairwise(agent.usage)]
+    if anchor:
+        assert anchors == 6
+        assert restored == 4, (restored, declined)
+        for before, after in returns:
+            # All the previous turn held, its reply as the template renders it again too.
+            assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"], \
+                returns
+    else:
+        assert anchors == 0
+        assert declined == 4
+        for before, after in returns:
+            assert after["prompt_tokens_details"]["cached_tokens"] < before["prompt_tokens"] // 2
