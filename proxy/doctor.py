@@ -56,6 +56,7 @@ from proxy.engine_facts import (
     ServerFlags,
     read_engine_facts,
 )
+from proxy.tokens import common_prefix
 
 Status = Literal["problem", "warning", "ok", "unknown"]
 
@@ -352,7 +353,7 @@ class _Prober:
         # cache_prompt as a client asks for it: what the engine keeps, whatever its default.
         timings = self._complete(prompt, slot, cache_prompt=True)["timings"]
         cached = int(timings["cache_n"])
-        return Survival(cached, cached + int(timings["prompt_n"]), _common_prefix(prompt, held))
+        return Survival(cached, cached + int(timings["prompt_n"]), common_prefix(prompt, held))
 
     def _slot_action(self, slot: int, action: str) -> None:
         response = self.client.post(f"/slots/{slot}?action={action}",
@@ -409,14 +410,6 @@ class _Prober:
         predicted = int(data["timings"]["predicted_n"])
         return predicted >= CONTEXT_SHIFT_PREDICT
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _probe_slots(slots: list[dict[str, Any]] | None, total: int) -> tuple[int, int]:

@@ -82,3 +82,13 @@ def _message_text(message: Mapping[str, Any]) -> str:
     if message.get("tool_calls"):
         parts.append(canonical(message["tool_calls"]))
     return "\n".join(parts)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.base import Adapter
+from proxy.tokens import common_prefix
 
 # Two next user turns that differ from their first character: what the two renderings share
 # is what every next request will start with.
@@ -39,6 +40,4 @@ async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
             {**body, "messages": [*messages, dict(reply), {"role": "user", "content": text}]})
         renderings.append(await adapter.tokenize(prompt, add_special=True))
     first, second = renderings
-    shared = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
-                  min(len(first), len(second)))
-    return first[:shared]
+    return first[:common_prefix(first, second)]

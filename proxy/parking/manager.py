@@ -47,6 +47,7 @@ from proxy.parking.slotfile import (
 )
 from proxy.placement import Eviction, SlotPool
 from proxy.sessions import Session, SessionStore
+from proxy.tokens import common_prefix
 
 EXIT_PARK_TIMEOUT_S = 30.0
 SESSION_NOTES = 4096  # per-session notes kept (the session store's default bound)
@@ -487,7 +488,7 @@ class ParkManager:
             prompt = await self.adapter.tokenize(text, add_special=True)
         except ProxyError as exc:
             return f"cannot compare the request's tokens with the file's ({exc.message})"
-        shared = _common_prefix(prompt, held)
+        shared = common_prefix(prompt, held)
         if shared == len(held) and len(prompt) > len(held):
             return None
         return (f"the request's tokens leave the parked ones at token {shared} of "
@@ -841,11 +842,3 @@ def _check_file(path: Path, record: ParkRecord, verify_content: bool,
                                          "was parked (content digest)")
     return tokens
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
