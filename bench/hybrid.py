@@ -1,13 +1,15 @@
 """Sessions that share a system prompt, taking turns on fewer slots, on a hybrid recurrent
 model: what each follow-up turn prefills, alone, directly and through prefixpin.
 
-    python -m bench.hybrid [--sessions 4] [--slots 2] [--turns 4] [--system 900]
+    python -m bench.hybrid [--model qwen35-tiny] [--engine-arg=--swa-full ...]
+                           [--sessions 4] [--slots 2] [--turns 4] [--system 900]
                            [--user 300] [--think-s 0.5] [--out FILE]
 
 The engine is the rig's llama-server at its default flags (plus ``--slot-save-path``,
 which parking needs, ``-np``, and one thread) on the rig's tiny random-weight ``qwen35``
 (Qwen3.5's architecture and real chat template; the text is noise, the cache mechanics are
-real). Every session starts from one shared system prompt, adds a user turn of about
+real); ``--model gptoss-tiny`` runs the tiny sliding-window gpt-oss instead. Every session
+starts from one shared system prompt, adds a user turn of about
 ``--user`` words each turn, and sends back each reply as the engine returned it (Qwen3.5's
 template drops its reasoning from earlier turns, as a client that strips it would).
 Between two turns ``--think-s`` passes: the time a user or a tool takes.
@@ -47,7 +49,7 @@ import httpx
 from tests.e2e.helpers import filler
 from tests.rig.llama_process import run_llama_server
 from tests.rig.replica_process import run_replica
-from tests.rig.tiny_models import ensure_tiny_model
+from tests.rig.tiny_models import TINY_MODELS, ensure_tiny_model
 
 Json = dict[str, Any]
 
@@ -82,17 +84,18 @@ def sessions(args: argparse.Namespace) -> list[Session]:
 
 
 @contextmanager
-def engine(slots: int, save: Path) -> Iterator[str]:
+def engine(args: argparse.Namespace, slots: int, save: Path) -> Iterator[str]:
     save.mkdir(parents=True, exist_ok=True)
-    with run_llama_server(ensure_tiny_model("qwen35-tiny"), slots=slots, ctx_per_slot=16384,
-                          slot_save_path=save, threads=1) as handle:
+    model = ensure_tiny_model(args.model) if args.model in TINY_MODELS else args.model
+    with run_llama_server(model, slots=slots, ctx_per_slot=16384, slot_save_path=save,
+                          threads=1, extra=args.engine_arg) as handle:
         yield handle.url
 
 
 def alone(args: argparse.Namespace, tmp: Path) -> list[Session]:
     runs = sessions(args)
     for session in runs:
-        with engine(1, tmp / f"alone-{session.index}") as url, \
+        with engine(args, 1, tmp / f"alone-{session.index}") as url, \
                 httpx.Client(base_url=url, timeout=300) as client:
             for number in range(1, args.turns + 1):
                 session.turn(client, number)
@@ -111,13 +114,13 @@ def round_robin(args: argparse.Namespace, url: str) -> list[Session]:
 
 
 def direct(args: argparse.Namespace, tmp: Path) -> list[Session]:
-    with engine(args.slots, tmp / "direct") as url:
+    with engine(args, args.slots, tmp / "direct") as url:
         return round_robin(args, url)
 
 
 def through_prefixpin(args: argparse.Namespace, tmp: Path) -> list[Session]:
     save = tmp / "prefixpin"
-    with engine(args.slots, save) as url, run_replica(
+    with engine(args, args.slots, save) as url, run_replica(
             [url], tmp / "prefixpin.log", args=["--park-dir", str(save)]) as proxy:
         return round_robin(args, proxy.url)
 
@@ -145,6 +148,10 @@ def report(arms: dict[str, list[Session]]) -> Json:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen35-tiny",
+                        help="a tiny model (qwen35-tiny, gptoss-tiny) or a rig model name")
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="one more llama-server argument (repeat: --engine-arg=--swa-full)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--turns", type=int, default=4)

@@ -37,6 +37,7 @@ from proxy.implicit import Fingerprinter
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.parking import ParkManager
+from proxy.parking.anchor import Anchorer
 from proxy.placement import Lease, SlotPool, Want
 from proxy.repair import Applied, Repairer
 from proxy.service import Backend, Incoming, Outcome, Plan
@@ -73,7 +74,8 @@ class AffinityPlanner:
     def __init__(self, store: SessionStore, pool: SlotPool, metrics: Metrics,
                  fingerprinter: Fingerprinter | None, logger: logging.Logger,
                  repairer: Repairer | None = None, budget_tokens: int | None = None,
-                 parking: ParkManager | None = None) -> None:
+                 parking: ParkManager | None = None,
+                 anchorer: Anchorer | None = None) -> None:
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -82,6 +84,7 @@ class AffinityPlanner:
         self.repairer = repairer
         self.budget_tokens = budget_tokens
         self.parking = parking
+        self.anchorer = anchorer  # anchors idle slots after a turn when parking is off
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
@@ -196,6 +199,8 @@ class AffinityPlanner:
             self.pool.record_tokens(plan.slot, session.id, held)
             if self.parking is not None:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
+            elif self.anchorer is not None:
+                self.anchorer.after_turn(self.pool, plan.slot, session.id)
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
             self.pool.occupied)
 

@@ -38,10 +38,12 @@ from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.ollama import OllamaPlanner
 from proxy.parking import open_parking
+from proxy.parking.anchor import Anchorer
+from proxy.parking.limits import limits_from
 from proxy.placement import SlotPool
 from proxy.repair import RepairConfig, Repairer
 from proxy.service import Planner
-from proxy.sessions import SessionStore
+from proxy.sessions import Session, SessionStore
 from proxy.settings import Settings
 from proxy.shared import SharedStatePlanner
 from proxy.system_turns import refuses_mid_system
@@ -283,10 +285,12 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
         return
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     shared = ctx.shared
+    lane.anchorer = await anchorer_for(ctx, lane, info)
     parking = await open_parking(settings, adapter, info, ctx.store, ctx.metrics, logger,
                                  lane=lane.label, flags=lane.flags,
                                  cluster=shared.cluster if shared is not None else None,
-                                 shared_sessions=shared.sessions if shared else None)
+                                 shared_sessions=shared.sessions if shared else None,
+                                 anchorer=lane.anchorer)
     on_evict = parking.park if parking is not None else None
     pool: SlotPool
     refresh: Callable[[], Awaitable[None]] | None = None
@@ -302,7 +306,8 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     service.pool, lane.parking = pool, parking
     planner = AffinityPlanner(ctx.store, pool, ctx.metrics, fingerprinter, logger,
                               repairer_for(settings, fingerprinter, logger),
-                              budget_tokens=info.n_ctx_slot or None, parking=parking)
+                              budget_tokens=info.n_ctx_slot or None, parking=parking,
+                              anchorer=lane.anchorer)
     service.planner = _shared(ctx, planner, refresh)
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
@@ -320,6 +325,27 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     log_event(logger, logging.INFO, "affinity on", upstream=lane.label, slots=info.n_slots,
               implicit=fingerprinter is not None, shared=shared is not None,
               parking=parking is not None)
+
+
+async def anchorer_for(ctx: LaneContext, lane: Lane, info: EngineInfo) -> Anchorer | None:
+    """Anchoring (``proxy.parking.anchor``) where the engine cannot roll a slot back over
+    a re-rendered reply: a recurrent/hybrid model; said at start."""
+    limits = await asyncio.to_thread(limits_from, info, lane.flags)
+    adapter = lane.service.backend.adapter
+    if not limits.exact_extension_only or not adapter.capabilities.render:
+        return None
+    if not ctx.settings.anchor:
+        log_event(ctx.logger, logging.INFO, "anchoring off", upstream=lane.label,
+                  memory=limits.memory, reason="PREFIXPIN_ANCHOR=0")
+        return None
+    store = ctx.store
+
+    async def session_of(session_id: str) -> Session | None:
+        return store.get(session_id)
+
+    log_event(ctx.logger, logging.INFO, "anchoring on", upstream=lane.label,
+              memory=limits.memory)
+    return Anchorer(adapter, ctx.metrics, ctx.logger, session_of)
 
 
 async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:

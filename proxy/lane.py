@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the redis package is only needed with --redis
     from proxy.engine_facts import ServerFlags
     from proxy.ollama import OllamaPlanner
     from proxy.parking import ParkManager
+    from proxy.parking.anchor import Anchorer
 
 
 NOT_PROBED = ("assumed shared: the engine has not answered yet (llama-server's host prompt "
@@ -41,6 +42,7 @@ class Lane:
     watch: EngineWatch
     ready: bool = False  # the engine answered once and its policies are on
     parking: ParkManager | None = None
+    anchorer: Anchorer | None = None  # recurrent / sliding-window memory: slots anchored
     models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
     load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
     # A dedicated backend (--upstreams-file namespace=): only these namespaces are placed

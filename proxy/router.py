@@ -297,6 +297,8 @@ class Router:
             self.first_probe.set()
             await lane.watch.run()
         finally:
+            if lane.anchorer is not None:
+                await lane.anchorer.aclose()
             if lane.parking is not None:  # a clean shutdown parks idle slots
                 await lane.parking.aclose(lane.service.pool)
 

@@ -57,6 +57,7 @@ from core.errors import ProxyError
 from proxy.engine_facts import ServerFlags
 from proxy.logs import log_event
 from proxy.metrics import Metrics
+from proxy.parking.anchor import Anchorer
 from proxy.parking.index import (
     INDEX_NAME,
     SCHEMA_VERSION,
@@ -111,7 +112,8 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
                        store: SessionStore, metrics: Metrics, logger: logging.Logger, *,
                        lane: str, flags: ServerFlags | None = None,
                        cluster: Cluster | None = None,
-                       shared_sessions: SharedSessions | None = None) -> ParkManager | None:
+                       shared_sessions: SharedSessions | None = None,
+                       anchorer: Anchorer | None = None) -> ParkManager | None:
     """Parking for one lane (``lane``: its label, e.g. ``127.0.0.1:8081``; ``flags``: its
     engine's, as the lane read them: None when not readable here) on, or off with one log
     line saying why. With ``cluster`` the index is Redis (shared by replicas; the
@@ -149,8 +151,7 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
         off(problem)
         return None
     config = ParkConfig(files_dir, settings.park_max_bytes, settings.park_min_tokens,
-                        settings.park_verify == "full", park_ahead=settings.park_ahead,
-                        anchor=settings.anchor)
+                        settings.park_verify == "full", park_ahead=settings.park_ahead)
     replicated = cluster is not None and info.engine != "embedded"
     index: ParkIndexStore
     if replicated:
@@ -169,7 +170,8 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
     try:
         manager = ParkManager(index, config, adapter, store, metrics, logger,
                               model=info.model, lane=lane, shared=shared, limits=limits,
-                              resolve=shared_sessions.fetch if shared_sessions else None)
+                              resolve=shared_sessions.fetch if shared_sessions else None,
+                              anchorer=anchorer)
         manager.sweep()
         parked, parked_bytes = index.count(manager.scope), index.total_bytes(manager.scope)
     except index.errors as exc:

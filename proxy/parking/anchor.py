@@ -11,15 +11,33 @@ and generating nothing, the history with the reply as the next request will rend
 to where that request starts to differ (its next user turn); the file saved then is a
 prefix of every next request. The cost is the re-rendered reply, which the next turn would
 pay anyway, moved into the time the user or the tool takes.
+
+Anchoring runs after each turn, once the slot idles: before the slot is parked ahead
+(``ParkManager.park_ahead``), or on its own where parking is off (``after_turn``). It is
+not used on sliding-window models: their templates render a reply back as generated, so
+a warm slot is an extension already, and without ``--swa-full`` a slot file keeps nothing
+to extend (``bench/results/hybrid/RUN.md`` shows why in llama-server's code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from adapters.base import Adapter
+from core.errors import ProxyError
+from proxy.logs import log_event
+from proxy.metrics import Metrics
+from proxy.placement import SlotPool
+from proxy.sessions import Session
 from proxy.tokens import common_prefix
+
+# A session's own next request often follows its answer at once (a tool result): a slot is
+# anchored only once it stayed idle this long.
+IDLE_DELAY_S = 0.2
 
 # Two next user turns that differ from their first character: what the two renderings share
 # is what every next request will start with.
@@ -41,3 +59,59 @@ async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
         renderings.append(await adapter.tokenize(prompt, add_special=True))
     first, second = renderings
     return first[:common_prefix(first, second)]
+
+
+class Anchorer:
+    """Anchors a lane's idle slots (``anchor``), after each turn when parking is off
+    (``after_turn``), or when the park manager parks a slot ahead."""
+
+    def __init__(self, adapter: Adapter, metrics: Metrics, logger: logging.Logger,
+                 session_of: Callable[[str], Awaitable[Session | None]]) -> None:
+        self.adapter = adapter
+        self.metrics = metrics
+        self.log = logger
+        self.session_of = session_of
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def anchor(self, slot: int, session_id: str) -> int | None:
+        """Make the idle ``slot`` (held by the caller) hold its session's next request's
+        opening; how many tokens it then holds, None when it was not anchored."""
+        session = await self.session_of(session_id)
+        if session is None or session.committed is None or session.committed.body is None:
+            return None
+        started = time.monotonic()
+        try:
+            opening = await next_request_opening(self.adapter, session.committed.body,
+                                                 session.repair.last_reply)
+            if not opening:
+                return None
+            held = await self.adapter.prefill(slot, opening)
+        except ProxyError as exc:
+            self.metrics.anchors.labels("failed").inc()
+            log_event(self.log, logging.WARNING, "anchor failed", session=session_id,
+                      slot=slot, error=exc.message)
+            return None
+        self.metrics.anchors.labels("anchored").inc()
+        log_event(self.log, logging.INFO, "anchored", session=session_id, slot=slot,
+                  tokens=held, ms=round((time.monotonic() - started) * 1000, 1))
+        return held
+
+    def after_turn(self, pool: SlotPool, slot: int, session_id: str) -> None:
+        """Anchor the slot in the background once it stays idle (parking off)."""
+        task = asyncio.get_running_loop().create_task(
+            self._when_idle(pool, slot, session_id), name=f"prefixpin-anchor-{slot}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _when_idle(self, pool: SlotPool, slot: int, session_id: str) -> None:
+        await asyncio.sleep(IDLE_DELAY_S)
+        if pool.others_busy(slot):
+            return  # a prefill now would slow another slot's stream
+        async with pool.holding(slot, session_id) as entry:
+            if entry is not None and (held := await self.anchor(slot, session_id)) is not None:
+                entry.tokens = held
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

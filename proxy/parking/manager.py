@@ -30,7 +30,7 @@ from core.errors import ProxyError
 from proxy.history import Committed, decide
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.parking.anchor import next_request_opening
+from proxy.parking.anchor import Anchorer
 from proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from proxy.parking.limits import EngineLimits
 from proxy.parking.slotfile import (
@@ -74,9 +74,6 @@ class ParkConfig:
     # Save a slot after its turn, while the engine is idle, when it is likely to be evicted
     # next: the eviction then finds its file current and costs the next request nothing.
     park_ahead: bool = False
-    # Before parking ahead on memory that cannot roll back, evaluate the next request's
-    # opening into the slot (``proxy.parking.anchor``): every restore is then an extension.
-    anchor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +115,7 @@ class ParkManager:
                  store: SessionStore, metrics: Metrics, logger: logging.Logger, *, model: str,
                  lane: str = "", shared: bool = False, limits: EngineLimits | None = None,
                  filenames: Callable[[], str] = random_filename,
-                 resolve: Resolver | None = None) -> None:
+                 resolve: Resolver | None = None, anchorer: Anchorer | None = None) -> None:
         self.index = index
         self.config = config
         self.adapter = adapter
@@ -134,6 +131,8 @@ class ParkManager:
         # A session id -> the session, read through the shared session table when another
         # replica committed it (None: this replica's store only).
         self.resolve = resolve
+        # Anchors a slot before it is parked ahead (recurrent/hybrid memory): None elsewhere.
+        self.anchorer = anchorer
         self.suspended: str | None = None  # why parking is paused (engine lost its save path)
         self._unparked: dict[str, str] = {}  # session id -> why it has no file
         self._bytes_per_token: float | None = None
@@ -259,9 +258,9 @@ class ParkManager:
         async with pool.holding(slot, session_id) as entry:
             if entry is None:
                 return
-            anchored = await self._anchor(slot, session_id)
-            if anchored is not None:
-                entry.tokens = anchored
+            if self.anchorer is not None:
+                anchored = await self.anchorer.anchor(slot, session_id)
+                entry.tokens = anchored if anchored is not None else entry.tokens
             if save and self._fits_ahead(session_id, entry.tokens):
                 record = await self._save(
                     Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
@@ -272,32 +271,7 @@ class ParkManager:
                     entry.tokens = record.n_tokens
 
     def _anchors(self) -> bool:
-        return self.config.anchor and self.limits.exact_extension_only
-
-    async def _anchor(self, slot: int, session_id: str) -> int | None:
-        """Make the slot hold its session's next request's opening (recurrent/hybrid
-        memory only); how many tokens it then holds, None when not anchored."""
-        if not self._anchors():
-            return None
-        session = await self._session_of(session_id)
-        if session is None or session.committed is None or session.committed.body is None:
-            return None
-        started = time.monotonic()
-        try:
-            opening = await next_request_opening(self.adapter, session.committed.body,
-                                                 session.repair.last_reply)
-            if not opening:
-                return None
-            held = await self.adapter.prefill(slot, opening)
-        except ProxyError as exc:
-            self.metrics.anchors.labels("failed").inc()
-            log_event(self.log, logging.WARNING, "anchor failed", session=session_id,
-                      slot=slot, error=exc.message)
-            return None
-        self.metrics.anchors.labels("anchored").inc()
-        log_event(self.log, logging.INFO, "anchored", session=session_id, slot=slot,
-                  tokens=held, ms=round((time.monotonic() - started) * 1000, 1))
-        return held
+        return self.anchorer is not None
 
     def _fits_ahead(self, session_id: str, tokens: int) -> bool:
         """A file parked ahead is a spare copy of a history the slot still holds: it never

@@ -118,3 +118,38 @@ async def test_a_restore_after_anchoring_is_an_extension(
         assert declined == 4
         for before, after in returns:
             assert after["prompt_tokens_details"]["cached_tokens"] < before["prompt_tokens"] // 2
+
+
+@pytest.fixture
+def qwen35_unsaved() -> Iterator[LlamaServerProcess]:
+    """No --slot-save-path: parking is off."""
+    with run_llama_server(ensure_tiny_model("qwen35-tiny"), slots=1, ctx_per_slot=8192,
+                          slot_save_path=None, threads=1) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+async def test_a_warm_hybrid_slot_is_anchored_with_parking_off(
+        qwen35_unsaved: LlamaServerProcess, anchor: bool) -> None:
+    """Parking off, one session: anchored after its turn, the slot holds what the next
+    request starts with, so the next turn reads all of the previous prompt from cache;
+    without anchoring the engine goes back to its checkpoint 4 tokens before the end."""
+    apps = create_apps(Settings(upstream=qwen35_unsaved.url, anchor=anchor,
+                                health_interval_s=0.5))
+    app = apps.tenant
+    agent = Agent("H")
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        assert app.state.prefixpin.router.lanes[0].parking is None
+        await agent.turn(client, 1)
+        if anchor:
+            await settle(client, "prefixpin_anchors_total", 1, outcome="anchored")
+        else:
+            await asyncio.sleep(0.5)
+        await agent.turn(client, 2)
+    first, second = agent.usage
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    if anchor:
+        assert cached >= first["prompt_tokens"], agent.usage
+    else:
+        assert cached < first["prompt_tokens"], agent.usage
