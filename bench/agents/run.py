@@ -69,6 +69,7 @@ from tests.rig.agents import AGENTS, ensure_agent
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
 from tests.rig.scrape import metric, prefilled
+from tests.rig.tiny_models import TINY_MODELS, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "agents"
@@ -104,6 +105,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--clis", default=",".join(CLIS))
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--model", default="smollm2", help="a rig model (smollm2) or a tiny "
+                        "random-weight one (qwen35-tiny: Qwen3.5's hybrid and template)")
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="one more llama-server argument (repeat), e.g. "
+                        "--engine-arg=--reasoning-budget --engine-arg=0")
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--slots", type=int, default=2)
@@ -274,10 +280,11 @@ def run_arm(cli: Cli, condition: str, arm: str, relay: Relay, relay_url: str, wo
     slot_dir = work / "slots" / tag
     slot_dir.mkdir(parents=True)
     log_path = work / "logs" / f"prefixpin-{tag}.log"
-    extra = [*ENGINE_CAP_ARGS, *CONDITION_FLAGS[condition]]
+    extra = [*ENGINE_CAP_ARGS, *CONDITION_FLAGS[condition], *args.engine_arg]
     rows: list[Row] = []
     run: Row = {"cli": cli, "condition": condition, "arm": arm, "restart": None}
-    with run_llama_server("smollm2", slots=args.slots, ctx_per_slot=args.ctx,
+    model = ensure_tiny_model(args.model) if args.model in TINY_MODELS else args.model
+    with run_llama_server(model, slots=args.slots, ctx_per_slot=args.ctx,
                           threads=args.threads, slot_save_path=slot_dir,
                           extra=extra) as engine:
         seen.argvs.setdefault(condition, list(engine.args))
