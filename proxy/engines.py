@@ -39,7 +39,7 @@ from proxy.metrics import Metrics
 from proxy.ollama import OllamaPlanner
 from proxy.parking import open_parking
 from proxy.parking.anchor import Anchorer
-from proxy.parking.limits import limits_from
+from proxy.parking.limits import EngineLimits, limits_from
 from proxy.placement import SlotPool
 from proxy.repair import RepairConfig, Repairer
 from proxy.service import Planner
@@ -285,9 +285,10 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
         return
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     shared = ctx.shared
-    lane.anchorer = await anchorer_for(ctx, lane, info)
+    limits = await asyncio.to_thread(limits_from, info, lane.flags)
+    lane.anchorer = anchorer_for(ctx, lane, limits)
     parking = await open_parking(settings, adapter, info, ctx.store, ctx.metrics, logger,
-                                 lane=lane.label, flags=lane.flags,
+                                 lane=lane.label, flags=lane.flags, limits=limits,
                                  cluster=shared.cluster if shared is not None else None,
                                  shared_sessions=shared.sessions if shared else None,
                                  anchorer=lane.anchorer)
@@ -327,10 +328,9 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
               parking=parking is not None)
 
 
-async def anchorer_for(ctx: LaneContext, lane: Lane, info: EngineInfo) -> Anchorer | None:
+def anchorer_for(ctx: LaneContext, lane: Lane, limits: EngineLimits) -> Anchorer | None:
     """Anchoring (``proxy.parking.anchor``) where the engine cannot roll a slot back over
     a re-rendered reply: a recurrent/hybrid model; said at start."""
-    limits = await asyncio.to_thread(limits_from, info, lane.flags)
     adapter = lane.service.backend.adapter
     if not limits.exact_extension_only or not adapter.capabilities.render:
         return None

@@ -42,7 +42,7 @@ class Lane:
     watch: EngineWatch
     ready: bool = False  # the engine answered once and its policies are on
     parking: ParkManager | None = None
-    anchorer: Anchorer | None = None  # recurrent / sliding-window memory: slots anchored
+    anchorer: Anchorer | None = None  # recurrent/hybrid memory: idle slots anchored
     models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
     load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
     # A dedicated backend (--upstreams-file namespace=): only these namespaces are placed

@@ -111,6 +111,7 @@ DEFAULT_INDEX_ROOT = Path.home() / ".cache" / "prefixpin" / "park-index"
 async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
                        store: SessionStore, metrics: Metrics, logger: logging.Logger, *,
                        lane: str, flags: ServerFlags | None = None,
+                       limits: EngineLimits | None = None,
                        cluster: Cluster | None = None,
                        shared_sessions: SharedSessions | None = None,
                        anchorer: Anchorer | None = None) -> ParkManager | None:
@@ -131,7 +132,8 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
     if not info.slot_save_path:
         off("the engine has no --slot-save-path")
         return None
-    limits = await asyncio.to_thread(limits_from, info, flags)
+    if limits is None:  # the lane reads them once for parking and anchoring alike
+        limits = await asyncio.to_thread(limits_from, info, flags)
     if limits.restores_reprocessed and limits.flags_known:
         off(f"the model uses {limits.memory} and llama-server runs without --swa-full: it "
             "re-processes a restored slot from the first token (a restore clears the context "

@@ -31,17 +31,29 @@ from adapters.base import Adapter
 from core.errors import ProxyError
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.placement import SlotPool
+from proxy.placement import SlotEntry, SlotPool
 from proxy.sessions import Session
 from proxy.tokens import common_prefix
 
-# A session's own next request often follows its answer at once (a tool result): a slot is
-# anchored only once it stayed idle this long.
+# A session's own next request often follows its answer at once (a tool result): work on
+# its slot after a turn (anchoring, parking ahead) waits until it stayed idle this long.
 IDLE_DELAY_S = 0.2
 
 # Two next user turns that differ from their first character: what the two renderings share
 # is what every next request will start with.
 _NEXT_TURNS = ("A", "0\n")
+
+
+async def when_idle(pool: SlotPool, slot: int, session_id: str,
+                    work: Callable[[SlotEntry], Awaitable[None]]) -> None:
+    """``work`` on the slot, held, once it stayed idle ``IDLE_DELAY_S`` and still holds the
+    session; not while another slot is busy (a prefill or a save would slow its stream)."""
+    await asyncio.sleep(IDLE_DELAY_S)
+    if pool.others_busy(slot):
+        return
+    async with pool.holding(slot, session_id) as entry:
+        if entry is not None:
+            await work(entry)
 
 
 async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
@@ -104,12 +116,11 @@ class Anchorer:
         task.add_done_callback(self._tasks.discard)
 
     async def _when_idle(self, pool: SlotPool, slot: int, session_id: str) -> None:
-        await asyncio.sleep(IDLE_DELAY_S)
-        if pool.others_busy(slot):
-            return  # a prefill now would slow another slot's stream
-        async with pool.holding(slot, session_id) as entry:
-            if entry is not None and (held := await self.anchor(slot, session_id)) is not None:
+        async def anchor(entry: SlotEntry) -> None:
+            if (held := await self.anchor(slot, session_id)) is not None:
                 entry.tokens = held
+
+        await when_idle(pool, slot, session_id, anchor)
 
     async def aclose(self) -> None:
         for task in self._tasks:

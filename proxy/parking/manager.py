@@ -30,7 +30,7 @@ from core.errors import ProxyError
 from proxy.history import Committed, decide
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.parking.anchor import Anchorer
+from proxy.parking.anchor import Anchorer, when_idle
 from proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from proxy.parking.limits import EngineLimits
 from proxy.parking.slotfile import (
@@ -45,7 +45,7 @@ from proxy.parking.slotfile import (
     tokens_digest,
     unlink,
 )
-from proxy.placement import Eviction, SlotPool
+from proxy.placement import Eviction, SlotEntry, SlotPool
 from proxy.sessions import Session, SessionStore
 from proxy.tokens import common_prefix
 
@@ -56,10 +56,8 @@ DISK_HEADROOM = 1.1  # free space wanted before a save, over the estimated file 
 # A replicated index: another replica may have saved a file it has not recorded yet, so the
 # start-up sweep leaves unrecorded files younger than this alone.
 ORPHAN_MIN_AGE_S = 600.0
-# Parking ahead: a session's own next request often follows its answer at once (a tool
-# result), so the slot is saved only once it stayed idle this long ...
-PARK_AHEAD_DELAY_S = 0.2
-# ... and only while its engine is short of slots: a slot changed hands within this long.
+# Parking ahead (once the slot idles: ``anchor.when_idle``), only while its engine is short
+# of slots: a slot changed hands within this long.
 PARK_AHEAD_WITHIN_S = 600.0
 
 Resolver = Callable[[str], Awaitable[Session | None]]
@@ -235,43 +233,37 @@ class ParkManager:
 
     def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
         """After a session's turn, once its slot stays idle: on memory that cannot roll
-        back, anchor it (``_anchor``); on an engine short of slots, save it, so that its
-        eviction by the next session's request finds the file current (``park``'s
-        unchanged case) instead of saving on that request's path. Only while no other slot
-        is busy (a save pauses every stream of the engine) and never for a slot table
+        back, anchor it (``Anchorer.anchor``); on an engine short of slots, save it, so that
+        its eviction by the next session's request finds the file current (``park``'s
+        unchanged case) instead of saving on that request's path. Never for a slot table
         replicas share (its copy here may be stale)."""
         save = self.config.park_ahead and pool.contended(PARK_AHEAD_WITHIN_S)
         if (self.suspended is not None or _shared_table(pool) is not None
-                or not (save or self._anchors())):
+                or not (save or self.anchorer is not None)):
             return
+
+        async def work(entry: SlotEntry) -> None:
+            await self._park_ahead(entry, slot, session_id, save=save)
+
         task = asyncio.get_running_loop().create_task(
-            self._park_ahead(pool, slot, session_id, save=save),
-            name=f"prefixpin-park-ahead-{slot}")
+            when_idle(pool, slot, session_id, work), name=f"prefixpin-park-ahead-{slot}")
         self._ahead.add(task)
         task.add_done_callback(self._ahead.discard)
 
-    async def _park_ahead(self, pool: SlotPool, slot: int, session_id: str, *,
+    async def _park_ahead(self, entry: SlotEntry, slot: int, session_id: str, *,
                           save: bool) -> None:
-        await asyncio.sleep(PARK_AHEAD_DELAY_S)
-        if pool.others_busy(slot):
-            return
-        async with pool.holding(slot, session_id) as entry:
-            if entry is None:
-                return
-            if self.anchorer is not None:
-                anchored = await self.anchorer.anchor(slot, session_id)
-                entry.tokens = anchored if anchored is not None else entry.tokens
-            if save and self._fits_ahead(session_id, entry.tokens):
-                record = await self._save(
-                    Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
-                if record is not None:
-                    # The slot holds exactly what the file holds (it stayed busy while
-                    # saved): the file's count, which the unchanged case compares at the
-                    # eviction, where the pool had its estimate.
-                    entry.tokens = record.n_tokens
-
-    def _anchors(self) -> bool:
-        return self.anchorer is not None
+        if self.anchorer is not None:
+            anchored = await self.anchorer.anchor(slot, session_id)
+            if anchored is not None:
+                entry.tokens = anchored
+        if save and self._fits_ahead(session_id, entry.tokens):
+            record = await self._save(
+                Eviction(slot, session_id, entry.kind, entry.tokens, "ahead"))
+            if record is not None:
+                # The slot holds exactly what the file holds (it stayed busy while
+                # saved): the file's count, which the unchanged case compares at the
+                # eviction, where the pool had its estimate.
+                entry.tokens = record.n_tokens
 
     def _fits_ahead(self, session_id: str, tokens: int) -> bool:
         """A file parked ahead is a spare copy of a history the slot still holds: it never
