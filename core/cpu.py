@@ -73,10 +73,10 @@ AMX_CRASH = ("this CPU has AMX (amx_int8): llama.cpp's AMX kernels, which weight
              "libggml-cpu at the first decode: core/cpu.py)")
 
 
-def crash_advice(*, amx: bool) -> str:
-    """What to try when the engine does not answer: it may have crashed."""
-    if amx:
-        return ("If it crashed, look for 'general protection fault ... libggml-cpu' in "
-                f"dmesg: {AMX_CRASH}; restart it with --no-repack.")
-    return ("If it crashed, its own log says where; restarting it with --no-repack rules "
-            "out llama.cpp's repacked CPU kernels.")
+def crash_advice() -> str:
+    """What to try when an engine stops answering: it may have crashed. Said without
+    knowing the engine's host, which may not be this one (its CPU flags are not ours)."""
+    return ("If it crashed with a 'general protection fault ... libggml-cpu' in dmesg on a CPU "
+            "with AMX (amx_int8 in /proc/cpuinfo), restart it with --no-repack: llama.cpp's "
+            "AMX kernels crash as GCC builds them (core/cpu.py); otherwise its own log says "
+            "where.")

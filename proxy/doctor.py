@@ -491,7 +491,12 @@ def diagnose(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[Findi
 
 
 def cpu_paths_finding(obs: Observations, *, amx: bool) -> Finding:
-    """An upstream on this host, on a CPU with AMX, with weight repacking on."""
+    """An upstream on this host, on a CPU with AMX, with weight repacking on. This CPU's
+    flags say something only of a server whose command line was read here (this host)."""
+    if obs.flags is None:
+        return Finding("cpu-paths", "unknown", "--no-repack",
+                       "the server's command line is not readable here, so its host's CPU is "
+                       "not known: on a CPU with AMX (amx_int8), start it with --no-repack")
     if not amx:
         return Finding("cpu-paths", "ok", "--repack",
                        "no AMX on this CPU: llama.cpp's repacked kernels are safe here")
@@ -901,7 +906,7 @@ def recommend(obs: Observations, *, min_ctx: int = DEFAULT_MIN_CTX) -> list[str]
         command.append("--swa-full")
     if obs.model and obs.model.recurrent:
         command += ["-cms", "1024"]
-    if has_amx():
+    if flags is not None and has_amx():  # the server runs on this host, with AMX
         command.append("--no-repack")
     return command
 
@@ -965,7 +970,7 @@ MARKS: dict[Status, str] = {"problem": "PROBLEM", "warning": "warning", "ok": "o
 def render_text(report: Report) -> str:
     if not report.reachable:
         return (f"prefixpin doctor: cannot reach llama-server at {report.upstream}: "
-                f"{report.error}\n{crash_advice(amx=has_amx())}\n")
+                f"{report.error}\n{crash_advice()}\n")
     s = report.server
     lines = [f"prefixpin doctor: {report.upstream}",
              f"  build {s['build_info']}, {s['total_slots']} slot(s) × {s['slot_ctx']} tokens, "

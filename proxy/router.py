@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo
-from core.cpu import crash_advice, has_amx
+from core.cpu import crash_advice
 from core.errors import ProxyError, UpstreamError
 from proxy.affinity import planned_body
 from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
@@ -220,7 +220,7 @@ class Router:
             entry["fault"] = fault
         if isinstance(found, UpstreamError):
             entry.update(status="unreachable", error=found.message,
-                         down_since=lane.watch.down_since, hint=crash_advice(amx=has_amx()))
+                         down_since=lane.watch.down_since, hint=crash_advice())
         else:
             entry.update(status="ok", model=found.model, slots=found.n_slots,
                          n_ctx_slot=found.n_ctx_slot, build=found.build)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from adapters.base import Adapter, EngineInfo
-from core.cpu import crash_advice, has_amx
+from core.cpu import crash_advice
 from core.errors import UpstreamError, UpstreamTimeoutError
 from proxy.logs import log_event
 from proxy.metrics import Metrics
@@ -123,7 +123,7 @@ class EngineWatch:
                 self.reachable = False
                 self.down_since = datetime.now(UTC).isoformat(timespec="seconds")
                 log_event(self.log, logging.ERROR, "upstream lost", upstream=backend.label,
-                          error=exc.message, hint=crash_advice(amx=has_amx()))
+                          error=exc.message, hint=crash_advice())
                 for lost in self.on_lost:
                     lost(f"engine unreachable ({exc.message})")
             return exc
