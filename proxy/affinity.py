@@ -38,6 +38,7 @@ from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.parking import ParkManager
 from proxy.parking.anchor import Anchorer
+from proxy.parking.openings import Openings
 from proxy.placement import Lease, SlotPool, Want
 from proxy.repair import Applied, Repairer
 from proxy.service import Backend, Incoming, Outcome, Plan
@@ -75,7 +76,7 @@ class AffinityPlanner:
                  fingerprinter: Fingerprinter | None, logger: logging.Logger,
                  repairer: Repairer | None = None, budget_tokens: int | None = None,
                  parking: ParkManager | None = None,
-                 anchorer: Anchorer | None = None) -> None:
+                 anchorer: Anchorer | None = None, openings: Openings | None = None) -> None:
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -85,6 +86,7 @@ class AffinityPlanner:
         self.budget_tokens = budget_tokens
         self.parking = parking
         self.anchorer = anchorer  # anchors idle slots after a turn when parking is off
+        self.openings = openings  # a new session's slot starts from its namespace's opening
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
@@ -153,6 +155,13 @@ class AffinityPlanner:
                 plan.notes["park"] = restored.note
                 if restored.ok:
                     blocked = None  # the slot now holds this session's own history only
+            if (self.openings is not None and session.committed is None
+                    and plan.path != INFILL_PATH and (restored is None or not restored.ok)):
+                seeded = await self.openings.seed(session.namespace, session.id, plan.body,
+                                                  lease.slot, blocked=blocked is not None)
+                if seeded is not None:
+                    plan.notes["opening"] = seeded.note
+                    blocked = None  # the slot holds this namespace's opening only
         if blocked is not None:
             plan.body["cache_prompt"] = False
             plan.notes["cache"] = blocked

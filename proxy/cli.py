@@ -68,6 +68,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                          "(default 8 GiB)"),
     "--park-min-tokens": ("park_min_tokens", int, "smallest history worth parking "
                           "(default 256 tokens)"),
+    "--opening-min-tokens": ("opening_min_tokens", int, "shortest opening (system prompt "
+                             "and tools) worth saving for a namespace's new sessions "
+                             "(default 1024 tokens)"),
     "--park-verify": ("park_verify", str, "full (blake3 of the whole file, default) | tokens "
                       "(size and token list only)"),
     "--park-index-dir": ("park_index_dir", str, "prefixpin's own directory for the park "
@@ -97,6 +100,10 @@ OPTIONS = {"park-ahead": ("park_ahead", "on an engine short of slots, save a ses
                       "before parking a slot ahead, evaluate its session's next request's "
                       "opening into it, so a restore is an extension (default on; env "
                       "PREFIXPIN_ANCHOR=0)"),
+           "openings": ("openings", "save what a namespace's new sessions share (system "
+                        "prompt and tools) once, and restore it into the slot a new session "
+                        "or sub-agent gets, so it prefills only what differs (default on; env "
+                        "PREFIXPIN_OPENINGS=0)"),
            "allow-shared-cache": ("allow_shared_cache", "let several namespaces (bearer "
                                   "tokens) share an engine whose prompt cache crosses slots "
                                   "(llama-server with --cache-ram above 0, its default; every "

@@ -37,9 +37,10 @@ from proxy.lane import Lane, SharedState
 from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.ollama import OllamaPlanner
-from proxy.parking import open_parking
+from proxy.parking import ParkManager, open_parking
 from proxy.parking.anchor import Anchorer
 from proxy.parking.limits import EngineLimits, limits_from
+from proxy.parking.openings import Openings
 from proxy.placement import SlotPool
 from proxy.repair import RepairConfig, Repairer
 from proxy.service import Planner
@@ -305,10 +306,11 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     else:
         pool = SlotPool(info.n_slots, on_evict=on_evict)
     service.pool, lane.parking = pool, parking
+    lane.openings = openings_for(ctx, lane, limits, parking)
     planner = AffinityPlanner(ctx.store, pool, ctx.metrics, fingerprinter, logger,
                               repairer_for(settings, fingerprinter, logger),
                               budget_tokens=info.n_ctx_slot or None, parking=parking,
-                              anchorer=lane.anchorer)
+                              anchorer=lane.anchorer, openings=lane.openings)
     service.planner = _shared(ctx, planner, refresh)
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
@@ -346,6 +348,28 @@ def anchorer_for(ctx: LaneContext, lane: Lane, limits: EngineLimits) -> Anchorer
     log_event(ctx.logger, logging.INFO, "anchoring on", upstream=lane.label,
               memory=limits.memory)
     return Anchorer(adapter, ctx.metrics, ctx.logger, session_of)
+
+
+def openings_for(ctx: LaneContext, lane: Lane, limits: EngineLimits,
+                 parking: ParkManager | None) -> Openings | None:
+    """Openings (``proxy.parking.openings``) need the engine's save directory (parking) and
+    its template, and a restore the engine reuses; said at start."""
+    adapter = lane.service.backend.adapter
+    if parking is None or not adapter.capabilities.render:
+        return None
+    if not ctx.settings.openings:
+        log_event(ctx.logger, logging.INFO, "openings off", upstream=lane.label,
+                  reason="PREFIXPIN_OPENINGS=0")
+        return None
+    if limits.restores_reprocessed:
+        log_event(ctx.logger, logging.INFO, "openings off", upstream=lane.label,
+                  reason=f"the model uses {limits.memory}: a restored slot is re-processed")
+        return None
+    log_event(ctx.logger, logging.INFO, "openings on", upstream=lane.label,
+              min_tokens=ctx.settings.opening_min_tokens)
+    return Openings(adapter, parking.config.files_dir, ctx.metrics, ctx.logger,
+                    filenames=parking.filenames, min_tokens=ctx.settings.opening_min_tokens,
+                    max_bytes=parking.config.max_bytes // 4, lane=lane.label)
 
 
 async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:

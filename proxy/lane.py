@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the redis package is only needed with --redis
     from proxy.ollama import OllamaPlanner
     from proxy.parking import ParkManager
     from proxy.parking.anchor import Anchorer
+    from proxy.parking.openings import Openings
 
 
 NOT_PROBED = ("assumed shared: the engine has not answered yet (llama-server's host prompt "
@@ -43,6 +44,7 @@ class Lane:
     ready: bool = False  # the engine answered once and its policies are on
     parking: ParkManager | None = None
     anchorer: Anchorer | None = None  # recurrent/hybrid memory: idle slots anchored
+    openings: Openings | None = None  # new sessions start from their namespace's opening
     models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
     load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
     # A dedicated backend (--upstreams-file namespace=): only these namespaces are placed

@@ -121,6 +121,12 @@ class Metrics:
         self.anchors = Counter("prefixpin_anchors", "Slots made to hold their session's next "
                                "request's opening before parking (recurrent/hybrid memory), "
                                "by outcome", ["outcome"], registry=r)
+        self.openings = Counter("prefixpin_openings", "New sessions' openings (system prompt "
+                                "and tools) saved for their namespace's next sessions or "
+                                "restored into a new session's slot, by outcome", ["outcome"],
+                                registry=r)
+        self.opening_bytes = Gauge("prefixpin_opening_bytes", "Bytes of saved openings",
+                                   ["upstream"], registry=r)
         self.park_seconds = Histogram("prefixpin_park_seconds",
                                       "Saving and checking one parked session",
                                       buckets=SECONDS_BUCKETS, registry=r)

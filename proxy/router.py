@@ -299,6 +299,8 @@ class Router:
         finally:
             if lane.anchorer is not None:
                 await lane.anchorer.aclose()
+            if lane.openings is not None:
+                await lane.openings.aclose()
             if lane.parking is not None:  # a clean shutdown parks idle slots
                 await lane.parking.aclose(lane.service.pool)
 

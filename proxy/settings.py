@@ -112,6 +112,10 @@ class Settings(BaseSettings):
     anchor: bool = Field(True, description="On recurrent/hybrid memory, before parking a slot "
                          "ahead, evaluate its session's next request's opening into it, so "
                          "that a restore is an extension (proxy.parking.anchor)")
+    openings: bool = Field(True, description="Save what a namespace's new sessions share "
+                           "(system prompt and tools) once and restore it into the slot a "
+                           "new session or sub-agent gets (proxy.parking.openings)")
+    opening_min_tokens: int = Field(1024, ge=1, description="Shorter openings are not saved")
     park_shared: bool = Field(False, description="Every engine's --slot-save-path is "
                               "park_dir (one directory for all engines and replicas): a "
                               "file one engine saved may be restored into another")

@@ -7,7 +7,10 @@ llama-server renders when it serves ``/v1/messages`` itself:
 
 - ``system``: a string, or the text of its ``text`` blocks concatenated (no separator),
   each with Claude Code's billing line normalized (``cch=<5 chars>;`` becomes
-  ``cch=fffff;``: it changes on every request and would end every cache hit there);
+  ``cch=fffff;``: it changes on every request and would end every cache hit there; and
+  ``cc_version``'s suffix, ``2.1.328.b7f`` becoming ``2.1.328.fff``: a hash of the first
+  user message, it differs per conversation and per sub-agent, and would keep sessions
+  from sharing their system prompt and tools: ``proxy.parking.openings``);
 - each message: string content as it came (a ``system`` role inside ``messages``, which
   Claude Code 2.1 sends, included); block content as one message of the same role with
   the ``text`` blocks as content parts, ``image`` blocks as ``image_url`` parts,
@@ -43,6 +46,7 @@ signature), text, then one ``tool_use`` per call.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -59,6 +63,7 @@ from proxy.validation import (
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 _CCH_LENGTH = 5
+_CC_VERSION = re.compile(r"(cc_version=\d+\.\d+\.\d+\.)([0-9a-f]{1,8})(?=;)")
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_THINKING_BUDGET = 10000
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
@@ -78,12 +83,14 @@ FIELD_TYPES: dict[str, tuple[str, ...]] = {
 
 
 def normalize_billing_header(text: str) -> str:
-    """Claude Code's ``x-anthropic-billing-header: ...; cch=a5145;...`` with its per-request
-    ``cch`` stamp made constant (``cch=fffff;``); any other text as it is. As llama-server
-    does: only when the text starts with the header and five characters and a ``;``
-    follow the first ``cch=`` after it."""
+    """Claude Code's ``x-anthropic-billing-header: cc_version=2.1.328.b7f; ...; cch=a5145;``
+    with its per-request ``cch`` stamp and its per-conversation version suffix made
+    constant (``cch=fffff;``, ``2.1.328.fff``); any other text as it is. The stamp as
+    llama-server does: only when the text starts with the header and five characters and a
+    ``;`` follow the first ``cch=`` after it."""
     if not text.startswith(BILLING_PREFIX):
         return text
+    text = _CC_VERSION.sub(lambda m: m[1] + "f" * len(m[2]), text, count=1)
     at = text.find("cch=", len(BILLING_PREFIX))
     if at == -1:
         return text

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from adapters.base import Adapter
@@ -64,10 +64,17 @@ async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
     messages = body.get("messages")
     if not isinstance(messages, list) or reply is None:
         return None
+    return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)])
+
+
+async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],
+                                  messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The tokens ``body`` rendered with ``messages`` and then any user turn starts with:
+    the two renderings of ``_NEXT_TURNS`` share exactly that."""
     renderings = []
     for text in _NEXT_TURNS:
         prompt = await adapter.apply_template(
-            {**body, "messages": [*messages, dict(reply), {"role": "user", "content": text}]})
+            {**body, "messages": [*messages, {"role": "user", "content": text}]})
         renderings.append(await adapter.tokenize(prompt, add_special=True))
     first, second = renderings
     return first[:common_prefix(first, second)]

@@ -149,6 +149,23 @@ async def test_gptoss_answers_a_chat_with_its_real_template(
     assert_answered(await chat(gptoss_engine, [SYSTEM, USER], tools=TOOLS))
 
 
+async def test_qwen35_agent_variant_ends_its_reply_whatever_is_asked(
+        tmp_path: Path) -> None:
+    """Random weights. The agent CLIs ask for 32k tokens with tools, where llama-server's
+    tool grammar replaces any default cap: the agent variant still ends after "Done", with
+    thinking on and off."""
+    for handle in tiny_server("qwen35-agent", tmp_path):
+        async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
+            for thinking in (True, False):
+                answer = await post(client, "/v1/chat/completions", {
+                    "messages": [SYSTEM, USER], "tools": TOOLS, "max_tokens": 32000,
+                    "chat_template_kwargs": {"enable_thinking": thinking}})
+                choice = answer["choices"][0]
+                assert choice["finish_reason"] == "stop", answer
+                assert choice["message"]["content"] == "Done", answer
+                assert answer["usage"]["completion_tokens"] <= 3, answer
+
+
 # ---------------------------------------------------------------- qwen35's cache
 
 async def test_qwen35_next_chat_turn_resumes_from_a_checkpoint_before_the_reply(

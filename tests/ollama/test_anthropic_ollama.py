@@ -75,8 +75,9 @@ def test_a_message_is_answered_from_ollamas_chat_api(proxy: Served, stream: bool
     [(path, sent)] = forwarded(proxy)
     assert path == "/v1/chat/completions"
     assert sent["model"] == MODEL
-    assert sent["messages"][0] == {"role": "system", "content": SYSTEM[0]["text"]
-                                   + SYSTEM[1]["text"]}
+    # The billing line's per-conversation version suffix made constant.
+    billing = SYSTEM[0]["text"].replace("2.1.328.b7f", "2.1.328.fff")
+    assert sent["messages"][0] == {"role": "system", "content": billing + SYSTEM[1]["text"]}
     assert "cache_control" not in str(sent["messages"])
 
 

@@ -8,6 +8,8 @@ through a real tokenizer. That is what the tests measure, never the text.
 - ``qwen35-tiny``: Qwen3.5's hybrid layout, gated delta-net (recurrent) layers with full
   attention every 4th layer (gated query, q/k norms, interleaved M-RoPE), and Qwen3.5's
   chat template.
+- ``qwen35-agent``: the same, and its reply ends after its first line (``QWEN35_ENDING``),
+  so that the real agent CLIs, which ask for 32k tokens, get an answer.
 - ``gptoss-tiny``: gpt-oss, sliding-window attention (window 128) alternating with full
   attention, attention sinks, a mixture of experts, and gpt-oss's harmony chat template.
   Its reply's opening is scripted (``GPTOSS_OPENING``) so that llama-server's harmony
@@ -156,9 +158,19 @@ GPTOSS_TOKENS = SpecialTokens(
 # "<|channel|>final<|message|>" and, from there, the random weights' text up to the cap.
 GPTOSS_OPENING = (("istant", "<|channel|>"), ("<|channel|>", "final"), ("final", "<|message|>"))
 
+# The agent CLIs ask for 32k tokens, and with tools in the request llama-server's own tool
+# grammar replaces a default --grammar cap: random weights would ramble to the end. The
+# agent variant's reply is "Done": the generation prompt ends with a newline, after which
+# comes the end of its reasoning (thinking on: "<think>\n") or "Done" (thinking off:
+# "</think>\n\n"), then end of turn. A newline among the reply's noise ends it there.
+QWEN35_ENDING = (("Ċ", "</think>"), ("</think>", "Done"), ("ĊĊ", "Done"),
+                 ("Done", "<|im_end|>"))
+
 TINY_MODELS: dict[str, TinyModel] = {
     "qwen35-tiny": TinyModel("qwen35-tiny", "qwen35", "Qwen3.5-4B.jinja", Qwen35Shape(),
                              QWEN35_TOKENS, seed=35),
+    "qwen35-agent": TinyModel("qwen35-agent", "qwen35", "Qwen3.5-4B.jinja", Qwen35Shape(),
+                              QWEN35_TOKENS, seed=35, script=QWEN35_ENDING),
     "gptoss-tiny": TinyModel("gptoss-tiny", "gpt-oss", "openai-gpt-oss-120b.jinja",
                              GptOssShape(), GPTOSS_TOKENS, seed=120, script=GPTOSS_OPENING),
 }
@@ -323,7 +335,10 @@ def add_tokenizer(writer: gguf.GGUFWriter, source: Vocabulary, special: SpecialT
 
 def tensor_plan(model: TinyModel) -> list[TensorPlan]:
     if isinstance(model.shape, Qwen35Shape):
-        return qwen35_tensors(model.shape)
+        plan = qwen35_tensors(model.shape)
+        if model.script:  # a script writes the output head: its own, untied
+            plan.insert(2, TensorPlan("output.weight", (model.shape.n_embd, VOCAB)))
+        return plan
     return gptoss_tensors(model.shape)
 
 

@@ -240,12 +240,12 @@ def test_system_blocks_are_concatenated_with_the_billing_stamp_normalized() -> N
         {"type": "text", "text": "\nBe terse."}],
         "messages": [{"role": "user", "content": "hi"}]})
     assert body["messages"][0] == {"role": "system", "content": (
-        "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;"
+        "x-anthropic-billing-header: cc_version=2.1.101.fff; cc_entrypoint=cli; cch=fffff;"
         "You are Claude Code.\nBe terse.")}
     as_string = converted({"system": BILLING + "You are Claude Code.",
                            "messages": [{"role": "user", "content": "hi"}]})
     assert as_string["messages"][0]["content"] == (
-        "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;"
+        "x-anthropic-billing-header: cc_version=2.1.101.fff; cc_entrypoint=cli; cch=fffff;"
         "You are Claude Code.")
 
 
@@ -258,6 +258,11 @@ def test_system_blocks_are_concatenated_with_the_billing_stamp_normalized() -> N
     ("x-anthropic-billing-header: no stamp;", "x-anthropic-billing-header: no stamp;"),
     ("You are x. x-anthropic-billing-header: cch=12345;",  # not where the text starts
      "You are x. x-anthropic-billing-header: cch=12345;"),
+    # the version's per-conversation suffix (no stamp in Claude Code's offline -p)
+    ("x-anthropic-billing-header: cc_version=2.1.328.b7f; cc_entrypoint=sdk-cli;",
+     "x-anthropic-billing-header: cc_version=2.1.328.fff; cc_entrypoint=sdk-cli;"),
+    ("x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=cli;",  # none
+     "x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=cli;"),
 ])
 def test_the_billing_line_is_normalized_only_where_llama_server_does(
         text: str, normalized: str) -> None:
