@@ -7,16 +7,19 @@ tokens with the real CLIs. Without openings a new session prefills all of it, un
 happens to land on a slot a sibling left warm, and on recurrent/hybrid memory not even
 then (a slot rolls back only to a checkpoint).
 
-The opening of a request is what its template renders before its first user turn's text:
-the leading system messages and the tools (``anchor.tokens_before_user_turn``). A new
+The opening of a request is what its template renders before its first user turn's text
+(the leading system messages and the tools: ``anchor.tokens_before_user_turn``), or, when
+longer, what its prompt shares with the namespace's previous new session's first prompt
+(Claude Code's first user turn opens with the same reminders in every session). A new
 session's first request, on a slot that does not hold it:
 
 - restores the namespace's longest saved opening that the request's tokens extend, so the
   engine prefills only what differs (on every memory kind a restore followed by an exact
   extension reuses all of it);
-- else, when its own opening is long enough, evaluates that opening into the slot, saves
-  it, and goes on from there: the request extends what the slot holds, so the save is the
-  only work added, once per opening.
+- when its own opening is long enough and longer than any saved one (by
+  ``EXTEND_MIN_TOKENS``, past a restored one), evaluates it into the slot (after the
+  restore: only the tokens past it), saves it, and goes on from there: the request extends
+  what the slot holds, so the save is the only work added, once per opening.
 
 Openings are kept per namespace (never restored across namespaces), at most
 ``PER_NAMESPACE`` each and ``max_bytes`` in all, least recently used out first. They live
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,9 +47,13 @@ from proxy.logs import log_event
 from proxy.metrics import Metrics
 from proxy.parking.anchor import tokens_before_user_turn
 from proxy.parking.slotfile import unlink
+from proxy.tokens import common_prefix
 
 PER_NAMESPACE = 4  # openings kept per namespace (a main agent and its sub-agent kinds)
 NAMESPACES = 256  # namespaces with openings, least recently used out first
+# What a sibling must share past a restored opening for a longer one to be saved: each
+# save writes a file on the request's path, once per shared prefix (later siblings find it).
+EXTEND_MIN_TOKENS = 16
 _LEADING_ROLES = frozenset({"system", "developer"})
 
 
@@ -102,6 +110,9 @@ class Openings:
         self.lane = lane
         self._by_namespace: OrderedDict[str, list[Opening]] = OrderedDict()
         self._saving: set[tuple[str, int]] = set()  # (namespace, length) being saved
+        # Per namespace, the last new session's first prompt: what a sibling shares past
+        # the template's opening (the same first reminders, an agent's own preamble).
+        self._first_prompts: OrderedDict[str, array[int]] = OrderedDict()
 
     async def seed(self, namespace: str, session_id: str, body: Mapping[str, Any], slot: int,
                    *, blocked: bool) -> Seeded | None:
@@ -119,10 +130,28 @@ class Openings:
             return None
         if len(prompt) <= len(opening) or prompt[:len(opening)] != opening:
             return None  # the template renders the first turn otherwise: nothing to share
+        target = max(len(opening), self._shared_with_sibling(namespace, prompt))
         found = self._longest(namespace, prompt)
+        restored = None
         if found is not None:
-            return await self._restore(found, session_id, slot)
-        return await self._save(namespace, tuple(opening), session_id, slot, blocked)
+            restored = await self._restore(found, session_id, slot)
+            if restored is None or target < len(found.tokens) + EXTEND_MIN_TOKENS:
+                return restored
+            blocked = False  # the slot holds this namespace's opening now
+        saved = await self._save(namespace, tuple(prompt[:target]), session_id, slot, blocked)
+        return saved or restored
+
+
+    def _shared_with_sibling(self, namespace: str, prompt: Sequence[int]) -> int:
+        """How many tokens ``prompt`` shares with the namespace's previous new session's
+        first prompt (short of its own end), which then becomes ``prompt``."""
+        previous = self._first_prompts.get(namespace)
+        shared = min(common_prefix(prompt, previous), len(prompt) - 1) if previous else 0
+        self._first_prompts[namespace] = array("i", prompt)
+        self._first_prompts.move_to_end(namespace)
+        while len(self._first_prompts) > NAMESPACES:
+            self._first_prompts.popitem(last=False)
+        return shared
 
     def _longest(self, namespace: str, prompt: Sequence[int]) -> Opening | None:
         best = None

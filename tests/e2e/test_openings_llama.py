@@ -22,6 +22,7 @@ from adapters.llama_server import LlamaServerAdapter
 from proxy.app import create_apps
 from proxy.parking.openings import PER_NAMESPACE, request_opening
 from proxy.settings import Settings
+from proxy.tokens import common_prefix
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_parking import events, metric, park_files
 from tests.e2e.helpers import filler
@@ -169,3 +170,48 @@ async def test_a_namespace_keeps_its_most_recent_openings(
     assert len(saved) == PER_NAMESPACE + 1
     assert saved[1] not in on_disk  # kind 1: least recently used
     assert {saved[0], *saved[2:]} <= on_disk
+
+
+REMINDER = "<system-reminder>\nThe project's conventions. " + filler(150, seed=8) + \
+    "\n</system-reminder>\n"
+
+
+async def test_siblings_share_their_first_turns_reminders_too(
+        engine: LlamaServerProcess, park: Path) -> None:
+    """Claude Code opens every session's first user turn with the same reminders: the second
+    session restores the template's opening and saves a longer one, up to where its prompt
+    parts from the first's; the third starts from that and prefills only what differs from
+    its sibling's prompt (tokens the test reads from the engine itself)."""
+    apps = create_apps(settings(engine, park, openings=True))
+    app = apps.tenant
+
+    def body(name: str) -> Json:
+        turn = first_turn(name)
+        turn["messages"][1]["content"] = REMINDER + f"Task {name}: " + filler(30, seed=len(name))
+        return turn
+
+    async def prompt_of(http: httpx.AsyncClient, name: str) -> list[int]:
+        text = (await http.post("/apply-template", json=body(name))).json()["prompt"]
+        tokens = (await http.post("/tokenize", json={"content": text, "add_special": True,
+                                                     "parse_special": True})).json()["tokens"]
+        return [int(t) for t in tokens]
+
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        usage = []
+        for name in ("ann", "bob", "cleo"):
+            response = await client.post("/v1/chat/completions", json=body(name),
+                                         headers={"x-session-id": name})
+            assert response.status_code == 200, response.text
+            usage.append(response.json()["usage"])
+        saved = await metric(client, "prefixpin_openings_total", outcome="saved")
+        restored = await metric(client, "prefixpin_openings_total", outcome="restored")
+    async with httpx.AsyncClient(base_url=engine.url, timeout=60) as http:
+        bob, cleo = await prompt_of(http, "bob"), await prompt_of(http, "cleo")
+    shared = common_prefix(bob, cleo)
+    assert shared > await opening_length(engine.url) + 100  # the reminder is shared too
+    assert (saved, restored) == (2, 2), usage
+    third = usage[2]
+    assert third["prompt_tokens"] == len(cleo)
+    assert third["prompt_tokens"] - third["prompt_tokens_details"]["cached_tokens"] \
+        <= len(cleo) - shared + 16, (shared, usage)
