@@ -106,7 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--model", default="smollm2", help="a rig model (smollm2) or a tiny "
-                        "random-weight one (qwen35-agent: Qwen3.5's hybrid and template, its reply ending at once)")
+                        "random-weight one (qwen35-agent: Qwen3.5's hybrid and template, "
+                        "its reply ending at once)")
     parser.add_argument("--engine-arg", action="append", default=[],
                         help="one more llama-server argument (repeat), e.g. "
                         "--engine-arg=--reasoning-budget --engine-arg=0")
