@@ -17,7 +17,9 @@ For each request (steps 2, 4, 5 and 6 of the request path):
 5. parking (``proxy.parking``): the victim's history is saved before its slot is reused; a
    session that comes back to a slot not holding it is restored first when the request
    extends the parked history; a request no live session takes finds its parked history in
-   the park index (after a proxy restart) and resumes from it.
+   the park index (after a proxy restart) and resumes from it;
+6. a session's end (``x-dynamo-session-final``): once that request commits, every history
+   under its key gives up its slot and its parked file and leaves the store (``_release``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class AffinityPlanner:
                                  "namespace": namespace, "upstream": backend.label}
         if session.key is not None:
             notes["key"] = session.key
+        if identity is not None and identity.final:
+            notes["final"] = True  # the commit releases the session (``_release``)
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
@@ -203,7 +207,9 @@ class AffinityPlanner:
         self.store.touch(session)
         if self.parking is not None:
             self.parking.touch(session.id)
-        if plan.slot is not None:
+        if plan.notes.get("final") is True:
+            self._release(session)
+        elif plan.slot is not None:
             held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
             self.pool.record_tokens(plan.slot, session.id, held)
             if self.parking is not None:
@@ -212,6 +218,23 @@ class AffinityPlanner:
                 self.anchorer.after_turn(self.pool, plan.slot, session.id)
         self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
             self.pool.occupied)
+
+    def _release(self, session: Session) -> None:
+        """The client ended the session (``x-dynamo-session-final``) and its turn committed:
+        every history under its key lets go of its slot (the slot is an empty one to
+        placement, its contents unknown: nobody reads them from cache) and of its parked
+        file, and leaves the store."""
+        ended = (self.store.with_key(session.namespace, session.key)
+                 if session.key is not None else [session])
+        for history in ended:
+            self.pool.release(history.id)
+            if self.parking is not None:
+                self.parking.forget(history.id)
+            history.slot = None
+            self.store.remove(history)
+        self.metrics.sessions.set(len(self.store))
+        log_event(self.log, logging.INFO, "session ended", session=session.id,
+                  key=session.key, histories=len(ended), reason="final")
 
     async def _decide(self, client: ClientRequest, namespace: str,
                       identity: ExplicitIdentity | None, backend: Backend,

@@ -48,10 +48,11 @@ from proxy.logs import get_logger
 from proxy.metrics import Metrics
 from proxy.passthrough import TENANT_PATHS, forward
 from proxy.paths import canonical_paths
-from proxy.router import Router, open_router
+from proxy.router import Router, headers_of, open_router
 from proxy.service import ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
+from proxy.tenants import CREDENTIAL_HEADERS
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -269,7 +270,15 @@ def _passthrough(holder: StateHolder, path: str | None, *,
     dropped = ("authorization",) if drop_authorization else ()
 
     async def handle(request: Request) -> Response:
-        lane = holder.get().router.lane_for_passthrough()
+        router = holder.get().router
+        if path is not None and router.tenants.configured:
+            # A tenant's request: its key checked (401), and never sent on: the engine
+            # gets its own key (``operator``: prefixpin's credentials).
+            router.tenants.namespace_of(headers_of(request))
+            lane = router.lane_for_passthrough()
+            return await forward(request, lane.service.backend.adapter.http, path=path,
+                                 drop_headers=CREDENTIAL_HEADERS, operator=True)
+        lane = router.lane_for_passthrough()
         return await forward(request, lane.service.backend.adapter.http, path=path,
                              drop_headers=dropped, operator=path is None)
 

@@ -29,9 +29,14 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                       "PREFIXPIN_ADMIN_TOKEN)"),
     "--engine-api-key": ("engine_api_key", str, "the engine's API key (llama-server "
                          "--api-key), sent as Authorization: Bearer on prefixpin's own "
-                         "requests (probes, tokenizer, slot files); clients' requests carry "
-                         "their own credentials. One for every upstream; an upstreams-file "
-                         "line's api_key=KEY overrides it (env PREFIXPIN_ENGINE_API_KEY)"),
+                         "requests (probes, tokenizer, slot files), and on clients' requests "
+                         "with --tenants (without, clients' requests carry their own "
+                         "credentials). One for every upstream; an upstreams-file line's "
+                         "api_key=KEY overrides it (env PREFIXPIN_ENGINE_API_KEY)"),
+    "--tenants": ("tenants_file", str, "TOML file of tenants and their keys ([tenants] "
+                  "name = \"key\" or [\"key\", ...]), read again when it changes: only "
+                  "then are requests authenticated (401) and tenants isolated; without it, "
+                  "every client and key is one namespace"),
     "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
     "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),

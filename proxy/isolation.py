@@ -1,4 +1,4 @@
-"""Tenant isolation across an engine's shared prompt cache (issue 16).
+"""Tenant isolation across an engine's shared prompt cache.
 
 llama-server's host prompt cache (``--cache-ram``, on by default) is shared by all slots: a
 slot about to be overwritten is saved into one RAM cache that every slot loads from, so a
@@ -7,11 +7,15 @@ whether the guess was right. Every Ollama shares cached prefixes across requests
 way. ``cache_prompt: false`` on a slot that changes hands (``AffinityPlanner.on_lease``)
 does not help there: the second tenant lands on a slot of its own.
 
-So an engine whose cache crosses slots (``Lane.shared_cache``) serves one namespace: the
-first one seen there owns it (in memory; with ``--redis`` a ``SET NX`` key every replica
-reads), and the router refuses any other before planning, unless the lane is dedicated to
-that namespace (``--upstreams-file ... namespace=``; namespaces listed together on one
-backend are trusted with each other's prefixes) or ``--allow-shared-cache`` is given.
+With no tenants configured (``proxy.tenants``) there is one namespace and nothing to
+isolate. With several tenants configured, an engine whose cache crosses slots
+(``Lane.shared_cache``) serves only the tenants the operator dedicated it to
+(``--upstreams-file ... namespace=``; tenants listed together on one backend are trusted
+with each other's prefixes), or every tenant with ``--allow-shared-cache``; otherwise none,
+and the router refuses the request before planning. No tenant claims such an engine by
+arriving first: one that did could keep every other tenant off it for as long as it
+sends requests, and handing it over would leave the first tenant's prefixes in the
+engine's cache for the next to read.
 
 The refusal is a 403: the request is not allowed for this caller, and retrying changes
 nothing until the operator changes the deployment. (A 409 would invite retries: OpenAI's
@@ -20,21 +24,16 @@ SDKs retry 409s.)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
-
 from core.errors import ClientError
 
-if TYPE_CHECKING:
-    from proxy.cluster.core import Cluster
-
-FIX = ("run llama-server with --cache-ram 0 (prefixpin's per-namespace parking then stands in "
-       "for its host cache), or give this namespace its own backend (namespace= in the "
+FIX = ("run llama-server with --cache-ram 0 (prefixpin's per-tenant parking then stands in "
+       "for its host cache), or dedicate the backend to this tenant (namespace= in the "
        "--upstreams-file), or start prefixpin with --allow-shared-cache (tenants may then "
        "learn each other's cached prefixes)")
 
 
 class SharedPromptCacheError(ClientError):
-    """A second namespace on an engine whose prompt cache crosses slots."""
+    """A tenant, among several, on an engine whose prompt cache crosses slots."""
 
     status_code = 403
     error_type = "permission_error"
@@ -60,72 +59,9 @@ class ApiNotServedError(ClientError):
 
 
 def refusal(namespace: str, refused: list[tuple[str, str]]) -> SharedPromptCacheError:
-    """``refused``: (label, why its cache is shared) of each lane another namespace owns."""
+    """``refused``: (label, why its cache is shared) of each lane the tenant may not use."""
     where = "; ".join(f"{label}: {why}" for label, why in refused)
     return SharedPromptCacheError(
-        f"namespace {namespace} refused: the engine's prompt cache is shared by all its "
-        f"slots and already serves another namespace, so this one could learn that one's "
-        f"cached prefixes ({where}). Fix: {FIX}")
-
-
-class CacheOwners(Protocol):
-    """Which namespace owns each shared-cache lane (the first one seen there)."""
-
-    def known(self, label: str) -> str | None:
-        """The owner as this process last saw it (no I/O; for views)."""
-        ...
-
-    async def owner(self, label: str) -> str | None: ...
-
-    async def claim(self, label: str, namespace: str) -> str:
-        """Own ``label`` for ``namespace`` unless another already does: the owner after."""
-        ...
-
-
-class MemoryOwners:
-    def __init__(self) -> None:
-        self._owners: dict[str, str] = {}
-
-    def known(self, label: str) -> str | None:
-        return self._owners.get(label)
-
-    async def owner(self, label: str) -> str | None:
-        return self._owners.get(label)
-
-    async def claim(self, label: str, namespace: str) -> str:
-        return self._owners.setdefault(label, namespace)
-
-
-class RedisOwners:
-    """``{prefix}:cache-owner:{label}``, set once (``SET NX``, no expiry): replicas agree
-    on the owner. An owner never changes, so each replica keeps the ones it has read."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self._seen: dict[str, str] = {}
-
-    def known(self, label: str) -> str | None:
-        return self._seen.get(label)
-
-    async def owner(self, label: str) -> str | None:
-        if (seen := self._seen.get(label)) is not None:
-            return seen
-        value = await self.cluster.r.get(self.cluster.key("cache-owner", label))
-        if value is None:
-            return None
-        owner = value.decode() if isinstance(value, bytes) else str(value)
-        self._seen[label] = owner
-        return owner
-
-    async def claim(self, label: str, namespace: str) -> str:
-        if (seen := self._seen.get(label)) is not None:
-            return seen
-        key = self.cluster.key("cache-owner", label)
-        if not await self.cluster.r.set(key, namespace, nx=True):
-            current = await self.owner(label)
-            if current is not None:
-                return current
-            await self.cluster.r.set(key, namespace, nx=True)  # deleted by hand meanwhile
-            return await self.owner(label) or namespace
-        self._seen[label] = namespace
-        return namespace
+        f"tenant {namespace} refused: the engine's prompt cache is shared by all its slots "
+        f"and several tenants are configured, so each could learn the others' cached "
+        f"prefixes there ({where}). Fix: {FIX}")

@@ -282,6 +282,15 @@ class SlotPool:
             if not entry.busy:
                 entry.occupant, entry.kind, entry.tokens = None, None, 0
 
+    def release(self, session_id: str) -> None:
+        """``session_id`` ended: no slot holds it any more as far as placement goes, even
+        one still leased to its last request (it is empty to placement from then on). What
+        the engine still holds there is unknown from then on: the next request in the slot,
+        of whichever tenant, is not read from cache."""
+        for entry in list(self._holders.get(session_id, ())):
+            entry.occupant, entry.kind, entry.tokens = None, None, 0
+            self._known.discard(entry.index)
+
     def reset(self) -> None:
         """The engine restarted: no slot holds anything the proxy knows of."""
         for entry in self.entries:

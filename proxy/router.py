@@ -40,16 +40,8 @@ from proxy.engines import (
     read_engine,
     redetect,
 )
-from proxy.identity import namespace_of
 from proxy.inflight import InFlight
-from proxy.isolation import (
-    ApiNotServedError,
-    CacheOwners,
-    MemoryOwners,
-    NamespaceNotServedError,
-    RedisOwners,
-    refusal,
-)
+from proxy.isolation import ApiNotServedError, NamespaceNotServedError, refusal
 from proxy.lane import Lane, SharedState
 from proxy.logs import log_event
 from proxy.metrics import Metrics
@@ -59,6 +51,7 @@ from proxy.sessions import SessionStore
 from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
 from proxy.system_turns import has_mid_system, in_place
+from proxy.tenants import Tenants
 from proxy.validation import (
     ClientRequest,
     read_body,
@@ -68,7 +61,7 @@ from proxy.watch import EngineWatch, probe_until_ready
 
 class Router:
     def __init__(self, ctx: LaneContext, lanes: list[Lane], placer: Placer,
-                 inflight: InFlight, owners: CacheOwners | None = None) -> None:
+                 inflight: InFlight, tenants: Tenants) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.metrics = ctx.metrics
@@ -82,7 +75,7 @@ class Router:
             ctx.shared.cluster.errors if ctx.shared is not None else ())
         self.first_probe = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.owners: CacheOwners = owners if owners is not None else MemoryOwners()
+        self.tenants = tenants
 
     # -- the request path -------------------------------------------------------------
 
@@ -96,16 +89,24 @@ class Router:
                 raise ApiNotServedError(f"{request.method} {request.url.path}: no engine "
                                         f"behind this port serves the {codec.api} API")
             headers = headers_of(request)
+            namespace = self._namespace(headers, codec)  # before the body is read
             raw, client = await self._parse(request, headers, codec)
             if client.lifecycle:  # Ollama's model load or unload, to a lane that answers
                 # and that this namespace may use: an unload empties every session's cache
-                lanes = await self._lanes_for(namespace_of(headers), client, lanes)
+                lanes = self._lanes_for(namespace, client, lanes)
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
                 return await lifecycle(lane.service.backend.adapter.http, lane.models,
                                        request, client, raw)
-            return await self._serve(request, headers, client, lanes)
+            return await self._serve(request, headers, namespace, client, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)
+
+    def _namespace(self, headers: Mapping[str, str], codec: Codec) -> str:
+        try:
+            return self.tenants.namespace_of(headers)
+        except ProxyError:
+            self.metrics.requests.labels(codec.endpoint, "unauthorized", codec.api).inc()
+            raise
 
     async def _parse(self, request: Request, headers: Mapping[str, str],
                      codec: Codec) -> tuple[bytes, ClientRequest]:
@@ -121,23 +122,15 @@ class Router:
             self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
             raise
 
-    async def _serve(self, request: Request, headers: Mapping[str, str],
+    async def _serve(self, request: Request, headers: Mapping[str, str], namespace: str,
                      client: ClientRequest, lanes: list[Lane]) -> Response:
-        namespace = namespace_of(headers)
         try:
-            lanes = await self._lanes_for(namespace, client, lanes)
-            while True:
-                placement, moved = None, False
-                lane = lanes[0]
-                if len(lanes) > 1:
-                    choice = await self._place(namespace, client, headers, lanes)
-                    lane, placement, moved = choice.lane, choice.reason, choice.moved
-                if await self._claimed(lane, namespace):
-                    break
-                # another replica's namespace took this shared-cache lane meanwhile
-                lanes = [ln for ln in lanes if ln is not lane]
-                if not lanes:
-                    raise refusal(namespace, [(lane.label, lane.shared_cache or "")])
+            lanes = self._lanes_for(namespace, client, lanes)
+            placement, moved = None, False
+            lane = lanes[0]
+            if len(lanes) > 1:
+                choice = await self._place(namespace, client, headers, lanes)
+                lane, placement, moved = choice.lane, choice.reason, choice.moved
         except self.errors as exc:
             self.metrics.requests.labels(client.endpoint, "upstream_error", client.api).inc()
             raise SharedStateError(f"shared state (Redis) unreachable: {exc}") from None
@@ -151,14 +144,15 @@ class Router:
         return await lane.service.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:
-        """Whether ``lane`` serves one namespace only (its cache crosses slots)."""
+        """Whether ``lane`` serves none of several tenants: its cache crosses slots, and
+        the operator neither dedicated it (``namespace=``) nor allowed the sharing."""
         return (lane.shared_cache is not None and not lane.namespaces
-                and not self.settings.allow_shared_cache)
+                and not self.settings.allow_shared_cache and self.tenants.count > 1)
 
-    async def _lanes_for(self, namespace: str, client: ClientRequest,
-                         lanes: list[Lane]) -> list[Lane]:
+    def _lanes_for(self, namespace: str, client: ClientRequest,
+                   lanes: list[Lane]) -> list[Lane]:
         """The lanes ``namespace`` may be placed on (``proxy.isolation``): not dedicated
-        to other namespaces, and no shared prompt cache another namespace owns."""
+        to other namespaces, and no prompt cache shared with other tenants."""
         mine = [ln for ln in lanes if not ln.namespaces or namespace in ln.namespaces]
         if not mine:
             raise NamespaceNotServedError(
@@ -167,28 +161,16 @@ class Router:
         allowed: list[Lane] = []
         refused: list[tuple[str, str]] = []
         for lane in mine:
-            owner = await self.owners.owner(lane.label) if self._gated(lane) else None
-            if owner in (None, namespace):
-                allowed.append(lane)
-            else:
+            if self._gated(lane):
                 refused.append((lane.label, lane.shared_cache or ""))
+            else:
+                allowed.append(lane)
         if not allowed:
             log_event(self.log, logging.WARNING, "namespace refused", namespace=namespace,
                       endpoint=client.endpoint, reason="shared prompt cache",
                       upstreams=[label for label, _ in refused])
             raise refusal(namespace, refused)
         return allowed
-
-    async def _claimed(self, lane: Lane, namespace: str) -> bool:
-        """The first namespace seen on a shared-cache lane owns it; False: another does."""
-        if not self._gated(lane):
-            return True
-        before = self.owners.known(lane.label)
-        owner = await self.owners.claim(lane.label, namespace)
-        if before is None and owner == namespace:
-            log_event(self.log, logging.INFO, "shared prompt cache owned", upstream=lane.label,
-                      namespace=namespace, reason=lane.shared_cache)
-        return owner == namespace
 
     async def _place(self, namespace: str, client: ClientRequest,
                      headers: Mapping[str, str], lanes: list[Lane]) -> Choice:
@@ -228,10 +210,10 @@ class Router:
         return entry
 
     def _isolation_view(self, lane: Lane) -> dict[str, Any]:
-        """Whether the lane's prompt cache crosses slots (the reason), which namespace owns
-        it, and the namespaces a dedicated backend serves."""
-        return {"shared_cache": lane.shared_cache,
-                "cache_owner": self.owners.known(lane.label) if self._gated(lane) else None,
+        """Whether the lane's prompt cache crosses slots (the reason), whether it then
+        serves no tenant (several configured, none dedicated), and the namespaces a
+        dedicated backend serves."""
+        return {"shared_cache": lane.shared_cache, "gated": self._gated(lane),
                 "namespaces": sorted(lane.namespaces) or None}
 
     def sessions_view(self) -> dict[str, Any]:
@@ -333,6 +315,7 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
 
     ``transports``: per upstream URL, and ``transport`` for any other, for tests and
     benches that serve engines in process."""
+    tenants = Tenants(settings.tenants_file, logger)  # a bad file: an error at start
     shared: SharedState | None = None
     homes: Homes
     if settings.redis is not None:
@@ -349,13 +332,11 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
             cluster, store, logger,
             max_per_namespace=settings.max_shared_sessions_per_namespace))
         homes = RedisHomes(cluster, settings.live_session_s)
-        owners: CacheOwners = RedisOwners(cluster)
         inflight: InFlight = ClusterInFlight(cluster, logger, grace_s=settings.retry_grace_s)
         await inflight.start()  # type: ignore[attr-defined]
     else:
         store = SessionStore.from_settings(settings)
         homes = MemoryHomes(settings.live_session_s)
-        owners = MemoryOwners()
         inflight = InFlight()
     ctx = LaneContext(settings, store, metrics, logger, shared)
     adapters = await _open_adapters(settings, logger, transports or {}, transport,
@@ -366,7 +347,7 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
         for _, _, adapter in adapters:
             await adapter.aclose()
         raise ValueError(problem)
-    router = Router(ctx, lanes, Placer(settings, homes), inflight, owners)
+    router = Router(ctx, lanes, Placer(settings, homes), inflight, tenants)
     router.start()
     return router
 
@@ -397,6 +378,15 @@ def _lanes_problem(settings: Settings, lanes: list[Lane]) -> str | None:
     return None
 
 
+def engine_credentials(settings: Settings, url: str | None) -> dict[str, str] | None:
+    """With configured tenants, what a client's request carries to the engine instead of
+    its own key: the engine's key, or nothing; None without tenants (the client's own)."""
+    if settings.tenants_file is None:
+        return None
+    key = settings.engine_key_for(url) if url is not None else None
+    return {"authorization": f"Bearer {key}"} if key is not None else {}
+
+
 def _embedded_label(replica: str | None) -> str:
     """An embedded engine is its own process's: with replicas, each has its own lane."""
     return EMBEDDED if replica is None else f"{EMBEDDED}-{replica}"
@@ -404,8 +394,9 @@ def _embedded_label(replica: str | None) -> str:
 
 def _lane(ctx: LaneContext, label: str, url: str | None, adapter: Adapter,
           inflight: InFlight) -> Lane:
-    backend = Backend(label=label, adapter=adapter)
     settings = ctx.settings
+    backend = Backend(label=label, adapter=adapter,
+                      engine_credentials=engine_credentials(settings, url))
     watch = EngineWatch(backend, ctx.metrics, interval_s=settings.health_interval_s,
                         probe_timeout_s=settings.probe_timeout_s, logger=ctx.logger)
     service = ProxyService(settings, backend, ctx.metrics, logger=ctx.logger,

@@ -43,6 +43,7 @@ from proxy.placement import Lease, QueueFullError, QueueGate, SlotPool, Want
 from proxy.relay import respond
 from proxy.repair import Applied
 from proxy.settings import Settings
+from proxy.tenants import CREDENTIAL_HEADERS
 from proxy.tokens import scope as token_scope
 from proxy.validation import ClientRequest
 
@@ -65,6 +66,9 @@ class Backend:
     label: str
     adapter: Adapter
     info: EngineInfo | None = None
+    # Configured tenants: a client's own credentials never reach the engine, and its
+    # requests carry the engine's key (None: none); unset, the client's go as they came.
+    engine_credentials: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +226,8 @@ class ProxyService:
         except ProxyError as exc:
             self.metrics.requests.labels(client.endpoint, _outcome(exc), client.api).inc()
             raise
-        plan.headers = {**_forwarded_headers(incoming.headers), **plan.headers}
+        plan.headers = {**_forwarded_headers(incoming.headers, self.backend.engine_credentials),
+                        **plan.headers}
         generation = self._start(plan, client, arrival, incoming.namespace)
         self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
@@ -424,8 +429,12 @@ def _estimated_cached(plan: Plan, figures: Figures) -> int | None:
     return max(0, min(estimate(figures), figures.prompt_tokens or 0))
 
 
-def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+def _forwarded_headers(headers: Mapping[str, str],
+                       engine_credentials: Mapping[str, str] | None) -> dict[str, str]:
+    if engine_credentials is None:
+        return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+    return {**{name: headers[name] for name in FORWARDED_HEADERS
+               if name in headers and name not in CREDENTIAL_HEADERS}, **engine_credentials}
 
 
 def _with_headers(call: UpstreamCall, headers: Mapping[str, str]) -> UpstreamCall:

@@ -178,6 +178,10 @@ class SessionStore:
             self._order[session.id] = next(self._ticks)
             self._account(session)
 
+    def remove(self, session: Session) -> None:
+        """Forget ``session`` (the client ended it): no request finds it again."""
+        self._drop(session)
+
     def reindex(self, session: Session) -> None:
         """``session``'s committed history or chain changed outside ``touch`` (which
         reindexes it too): what nominates it follows."""

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # the proxy's own requests (probes, tokenizer, template, slot files), never on a
     # client's, which carry the client's credentials. One for every upstream, unless the
     # upstreams file gives a URL its own (`api_key=`: upstream_api_keys).
+    # Tenants (proxy.tenants): none configured, one namespace for every client and key.
+    tenants_file: Path | None = Field(None, description="TOML file of tenant names and their "
+                                      "keys: only then are requests authenticated (401) and "
+                                      "tenants isolated")
     engine_api_key: SecretStr | None = Field(None, description="API key of the engine(s) "
                                              "for the proxy's own requests")
     upstream_api_keys: dict[str, SecretStr] = Field(

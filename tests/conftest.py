@@ -7,11 +7,24 @@ test on a developer's machine and fail it under CI (``CI`` set).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.rig.parts import require_chromium, require_llama_cpp, require_redis_server
+
+
+@pytest.fixture
+def tenant_file(tmp_path: Path) -> Callable[..., Path]:
+    """Writes a tenants file (``--tenants``) in which each key given is a tenant of that
+    name; its path."""
+    def write(*keys: str) -> Path:
+        path = tmp_path / "tenants.toml"
+        path.write_text("[tenants]\n" + "".join(f'"{k}" = "{k}"\n' for k in keys))
+        return path
+
+    return write
 
 
 @pytest.fixture

@@ -533,6 +533,20 @@ class ParkManager:
         if restored is not None and session is not None and session.turns:
             self._judge_reuse(session, restored, session.turns[-1].cached_tokens)
 
+    def forget(self, session_id: str) -> None:
+        """The client ended ``session_id``: its parked file, if any, is removed with its
+        record (reason "final"), never to be restored or revived."""
+        self._unparked.pop(session_id, None)
+        self._restored.pop(session_id, None)
+        self._late_commit.pop(session_id, None)
+        try:
+            record = self.index.owned_by(session_id)
+            if record is not None:
+                self._remove(record, "final")
+        except self.index.errors as exc:
+            log_event(self.log, logging.WARNING, "park not removed", session=session_id,
+                      reason="final", error=str(exc))
+
     def _catch_up(self, session: Session, record: ParkRecord) -> None:
         """The turn the parked file already holds has committed: the record takes its
         history (the file holds at least that prompt, so the history is still a prefix)."""

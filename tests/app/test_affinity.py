@@ -4,6 +4,8 @@ toy prefix cache per slot). Cache figures against the real engine are in tests/e
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +17,8 @@ from proxy.app import create_apps
 from proxy.settings import Settings
 from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import clients_of, running_proxy
+from tests.app.test_parking import SlotFileFakeLlama, metric, park_files
+from tests.app.test_parking import settings as park_settings
 from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.anyio
@@ -107,7 +111,8 @@ async def test_keyless_conversations_resume_by_their_bytes() -> None:
     assert cached(body) > 0
 
 
-async def test_tenants_never_share_a_session_or_a_cached_prefix() -> None:
+async def test_tenants_never_share_a_session_or_a_cached_prefix(
+        tenant_file: Callable[..., Path]) -> None:
     """Same session key, two bearer tokens: two sessions. On a 1-slot engine the second
     tenant's request takes the slot with cache_prompt off, so it cannot learn, from its
     cached tokens, anything of what the first tenant's history holds. (The engine keeps
@@ -115,7 +120,7 @@ async def test_tenants_never_share_a_session_or_a_cached_prefix() -> None:
     tenant is refused instead, tests/app/test_isolation.py.)"""
     engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1, cache_ram=0))
     history = conversation("A", 2)
-    async with running_proxy(engine) as (client, _):
+    async with running_proxy(engine, tenants_file=tenant_file("one", "two")) as (client, _):
         await ask(client, history, {"x-session-id": "A", "authorization": "Bearer one"})
         other = await ask(client, history, {"x-session-id": "A", "authorization": "Bearer two"})
         sessions = (await client.admin.get("/sessions")).json()["namespaces"]
@@ -170,3 +175,97 @@ async def test_only_keyless_requests_are_fingerprinted() -> None:
         body = await ask(client, conversation("B", 3))
         assert stats.misses == misses
     assert cached(body) > 0
+
+
+def claude_turns(name: str, turns: int) -> list[dict[str, Any]]:
+    """A Claude Code conversation on /v1/messages: user and assistant turns."""
+    messages: list[dict[str, Any]] = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{name} asks question {turn} " * 5})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"{name} answer {turn}"})
+    return messages
+
+
+async def ask_claude(client: httpx.AsyncClient, messages: list[dict[str, Any]], session: str,
+                     agent: str | None = None, parent_agent: str | None = None
+                     ) -> dict[str, Any]:
+    """As Claude Code asks: its session in the header and in metadata.user_id; a
+    sub-agent adds its agent id (and a sub-agent's sub-agent its parent's)."""
+    headers = {"x-claude-code-session-id": session}
+    if agent is not None:
+        headers["x-claude-code-agent-id"] = agent
+    if parent_agent is not None:
+        headers["x-claude-code-parent-agent-id"] = parent_agent
+    user_id = json.dumps({"device_id": "d1", "account_uuid": "", "session_id": session})
+    response = await client.post("/v1/messages", headers=headers, json={
+        "model": "fake", "max_tokens": 2, "system": SYSTEM["content"], "messages": messages,
+        "metadata": {"user_id": user_id}})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def test_claude_code_sub_agents_are_side_sessions_that_spare_the_main_slot() -> None:
+    """Same X-Claude-Code-Session-Id (and metadata.user_id), an agent id: each sub-agent is
+    its own side session under its parent. The first takes the free slot; the second,
+    with every slot held, evicts the cheaper side history, never the main agent's, whose
+    next turn is still cached on its slot."""
+    async with running_proxy(FakeLlamaServer(FakeLlamaConfig(n_slots=2))) as (client, engine):
+        await ask_claude(client, claude_turns("main", 1), "S")
+        await ask_claude(client, claude_turns("explore", 1), "S", agent="a1")
+        await ask_claude(client, claude_turns("nested", 1), "S", agent="a2", parent_agent="a1")
+        again = await ask_claude(client, claude_turns("main", 2), "S")
+        sessions = (await client.admin.get("/sessions")).json()["namespaces"]["anon"]
+    main_slot, side_slot = engine.requests[0]["id_slot"], engine.requests[1]["id_slot"]
+    assert main_slot != side_slot
+    assert [r["id_slot"] for r in engine.requests] == [main_slot, side_slot, side_slot,
+                                                       main_slot]
+    assert again["usage"]["cache_read_input_tokens"] > 0
+    view = {s["key"]: (s["kind"], s["parent"], s["last_decision"]) for s in sessions}
+    assert view == {"S": ("main", None, "resumed"), "S/a1": ("side", "S", "new"),
+                    "S/a2": ("side", "S/a1", "new")}
+
+
+def slot_of(view: dict[str, Any], session: str) -> list[int]:
+    return [s["slot"] for s in view["slots"] if s["session"] == session]
+
+
+async def test_dynamo_session_final_releases_the_sessions_slot() -> None:
+    """X-Dynamo-Session-Final: true on a session's last turn: once it committed, no slot is
+    pinned to the session and it leaves /sessions; the next session takes the freed slot,
+    not reading what it held from cache."""
+    async with running_proxy(FakeLlamaServer(FakeLlamaConfig(n_slots=2))) as (client, engine):
+        await ask(client, conversation("A", 1), {"x-dynamo-session-id": "A"})
+        before = (await client.admin.get("/sessions")).json()
+        [a_id] = [s["id"] for s in before["namespaces"]["anon"]]
+        assert slot_of(before, a_id) == [engine.requests[0]["id_slot"]]
+        await ask(client, conversation("A", 2), {"x-dynamo-session-id": "A",
+                                                 "x-dynamo-session-final": "true"})
+        after = (await client.admin.get("/sessions")).json()
+        await ask(client, conversation("B", 1), {"x-dynamo-session-id": "B"})
+    assert engine.requests[1]["id_slot"] == engine.requests[0]["id_slot"]  # resumed first
+    assert slot_of(after, a_id) == []
+    assert all(s["session"] is None for s in after["slots"])
+    assert after["namespaces"].get("anon", []) == []
+    assert engine.requests[2]["id_slot"] == engine.requests[0]["id_slot"]
+    assert engine.requests[2]["cache_prompt"] is False
+
+
+async def test_dynamo_session_final_removes_the_sessions_parked_file(tmp_path: Path) -> None:
+    """One slot, parking on: A is parked when B takes the slot, restored for its final
+    turn (B parked in turn); the final commit removes A's file and record, so a restarted
+    proxy revives only B."""
+    engine = SlotFileFakeLlama(tmp_path)
+    async with running_proxy(engine, **park_settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 1), {"x-session-id": "A"})
+        await ask(client, conversation("B", 1), {"x-session-id": "B"})
+        await ask(client, conversation("A", 2), {"x-session-id": "A",
+                                                 "x-dynamo-session-final": "1"})
+        assert await metric(client, "prefixpin_park_removals_total", reason="final") == 1
+        parked = (await client.admin.get("/sessions")).json()["parking"]["parked"]
+        assert [p["key"] for p in parked] == ["B"]
+        assert len(park_files(tmp_path)) == 1
+    async with running_proxy(engine, **park_settings(tmp_path)) as (client, _):
+        await ask(client, conversation("A", 3), {"x-session-id": "A"})
+        assert await metric(client, "prefixpin_park_revivals_total") == 0

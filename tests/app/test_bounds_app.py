@@ -5,6 +5,8 @@ wire format only)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -19,11 +21,13 @@ def body(key: str) -> dict[str, object]:
             "max_tokens": 4}
 
 
-async def test_a_namespace_over_its_queue_share_gets_a_429_and_others_still_queue() -> None:
+async def test_a_namespace_over_its_queue_share_gets_a_429_and_others_still_queue(
+        tenant_file: Callable[..., Path]) -> None:
     engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1, prefill_s_per_token=0.02, batch=8))
-    # --allow-shared-cache: two namespaces on one fake engine (not what this is about)
-    async with running_proxy(engine, max_queued_per_namespace=1,
-                             allow_shared_cache=True) as (client, _):
+    # --allow-shared-cache: two tenants on one fake engine (not what this is about)
+    async with running_proxy(engine, max_queued_per_namespace=1, allow_shared_cache=True,
+                             tenants_file=tenant_file("tenant-one", "tenant-two")) as (
+            client, _):
         one = {"authorization": "Bearer tenant-one"}
         two = {"authorization": "Bearer tenant-two"}
         running = asyncio.create_task(client.post(

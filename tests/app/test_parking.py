@@ -275,13 +275,19 @@ async def test_a_restarted_proxy_resumes_parked_sessions_from_the_index(
     assert {s["key"]: s["last_decision"] for s in sessions} == {"A": "resumed", None: "resumed"}
 
 
-async def test_another_tenant_never_revives_a_parked_session(tmp_path: Path) -> None:
-    engine = SlotFileFakeLlama(tmp_path)
-    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
-        await ask(client, conversation("A", 1), "A")
-        await client.post("/v1/chat/completions", headers={"x-session-id": "B"},
+async def test_another_tenant_never_revives_a_parked_session(
+        tmp_path: Path, tenant_file: Callable[..., Path]) -> None:
+    # several tenants on one engine: its cache per slot
+    engine = SlotFileFakeLlama(tmp_path, FakeLlamaConfig(n_slots=1, cache_ram=0))
+    tenants = {**settings(tmp_path), "tenants_file": tenant_file("mine", "someone-else")}
+    mine = {"authorization": "Bearer mine"}
+    async with running_proxy(engine, **tenants) as (client, _):
+        first = await client.post("/v1/chat/completions", headers={**mine, "x-session-id": "A"},
+                                  json={"messages": conversation("A", 1), "max_tokens": 2})
+        assert first.status_code == 200, first.text
+        await client.post("/v1/chat/completions", headers={**mine, "x-session-id": "B"},
                           json={"messages": conversation("B", 1), "max_tokens": 2})
-    async with running_proxy(engine, **settings(tmp_path)) as (client, _):
+    async with running_proxy(engine, **tenants) as (client, _):
         response = await client.post(
             "/v1/chat/completions",
             headers={"x-session-id": "A", "authorization": "Bearer someone-else"},

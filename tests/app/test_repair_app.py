@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,13 +129,15 @@ async def test_a_single_policy_can_be_switched_off(name: str) -> None:
     {"x-session-id": "other", "authorization": "Bearer team-a"},  # another session
     {"authorization": "Bearer team-a"},  # no key: never matches a keyed session
 ])
-async def test_no_repair_brings_another_sessions_bytes(headers: dict[str, str]) -> None:
+async def test_no_repair_brings_another_sessions_bytes(
+        headers: dict[str, str], tenant_file: Callable[..., Path]) -> None:
     """A history that would match after repair, sent by another namespace or session, is
     forwarded as sent: the first session's tool result never reaches it."""
     # --allow-shared-cache: another tenant on the fake (its cache assumed shared) would be
     # refused before repair; this test is about what repair does.
     requests, _, _ = await two_turns(clear_result, TOOLS, second_headers=headers,
-                                     allow_shared_cache=True)
+                                     allow_shared_cache=True,
+                                     tenants_file=tenant_file("team-a", "team-b"))
     assert SECRET in str(requests[0]["messages"])
     assert SECRET not in str(requests[1]["messages"])
 

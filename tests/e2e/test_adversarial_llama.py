@@ -60,6 +60,11 @@ def engine(request: pytest.FixtureRequest) -> Iterator[LlamaServerProcess]:
         yield handle
 
 
+# B on the engine whose host cache is on: the backend is A's (namespace= in an upstreams
+# file), so B's request is refused before placement.
+B_REFUSED = "namespace_not_served"
+
+
 def host_cache(engine: LlamaServerProcess) -> bool:
     return "--cache-ram" not in engine.args
 
@@ -108,8 +113,14 @@ def proxy(engine: LlamaServerProcess, **settings: Any) -> Iterator[Rig]:
                    timeout=30).raise_for_status()
     # A park index of this proxy's own: no test revives what an earlier test parked.
     index = Path(tempfile.mkdtemp(prefix="prefixpin-adversarial-index-"))
+    # A and B are configured tenants (``proxy.tenants``); the engine with its host cache
+    # on is A's alone (dedicated), so B is refused there.
+    tenants = index / "tenants.toml"
+    tenants.write_text(f'[tenants]\na = "{A_TOKEN}"\nb = "{B_TOKEN}"\n')
+    dedicated = {engine.url: ["a"]} if host_cache(engine) else {}
     apps = create_apps(Settings(upstream=engine.url, health_interval_s=0.5,
-                                park_index_dir=index, **settings))
+                                park_index_dir=index, tenants_file=tenants,
+                                upstream_namespaces=dedicated, **settings))
     with serve_in_thread(apps.tenant_listener, **http_options()) as url, serve_in_thread(
             apps.operator_listener, **http_options()) as admin:
         yield Rig(url, admin, engine)
@@ -245,7 +256,7 @@ def test_native_routes_with_id_slot_get_the_proxys_slot(engine: LlamaServerProce
         response = httpx.post(f"{rig.url}{path}", json=body, timeout=60,
                               headers={"authorization": f"Bearer {B_TOKEN}"})
         if host_cache(engine):
-            assert_refused(response, "shared_prompt_cache")
+            assert_refused(response, B_REFUSED)
         elif path == "/infill":
             # SmolLM2 has no fill-in-the-middle tokens: llama-server's own refusal.
             assert response.status_code == 501, response.text
@@ -278,7 +289,7 @@ def test_slot_and_cache_controls_in_the_body_buy_nothing(engine: LlamaServerProc
         controls["id_slot"] = a_slot_of(rig)
         right = rig.chat(B_TOKEN, SECRET, "hello", session="b-right", extra=controls)
         if host_cache(engine):
-            assert_refused(right, "shared_prompt_cache")
+            assert_refused(right, B_REFUSED)
             assert_a_still_cached(rig, a)
             return
         right_cached = cached(right)
@@ -309,7 +320,7 @@ def test_b_gets_the_raw_template_of_a_guess_and_sends_it_as_a_prompt(
                            json={"model": "m", "prompt": prompt, "max_tokens": 1,
                                  "id_slot": a_slot_of(rig), "cache_prompt": True})
         if host_cache(engine):
-            assert_refused(right, "shared_prompt_cache")
+            assert_refused(right, B_REFUSED)
             return
         right_cached = cached(right)
         wrong_prompt = prompt.replace(SECRET, WRONG)
@@ -330,8 +341,8 @@ def test_a_new_session_guessing_a_prompt(engine: LlamaServerProcess) -> None:
         a = victim(rig)
         right = rig.chat(B_TOKEN, SECRET, "hello", session="b-1")
         if host_cache(engine):
-            assert_refused(right, "shared_prompt_cache")
-            assert "--cache-ram 0" in right.json()["error"]["message"]
+            assert_refused(right, B_REFUSED)
+            assert "dedicated to other" in right.json()["error"]["message"]
             health = httpx.get(f"{rig.url}/healthz", timeout=30).json()
             assert health["upstreams"][0]["shared_cache"]
             assert_a_still_cached(rig, a)
@@ -501,7 +512,7 @@ def test_b_never_joins_a_generation(engine: LlamaServerProcess, retry: bool,
     joined = [r for r in caplog.records if r.getMessage() == "joined in flight"]
     assert len(joined) == 1, [getattr(r, "fields", {}) for r in joined]
     if host_cache(engine):
-        assert_refused(b_answer, "shared_prompt_cache")
+        assert_refused(b_answer, B_REFUSED)
         assert tasks == 1
         return
     assert b_answer.status_code == 200, b_answer.text
@@ -533,3 +544,25 @@ def test_an_api_no_lane_serves_is_not_a_side_door(engine: LlamaServerProcess) ->
             return
         wrong = guess(rig, WRONG)
     assert right.json()["timings"]["cache_n"] <= wrong.json()["timings"]["cache_n"] + SLACK
+
+
+# ------------------------------------------------ unknown keys
+
+@pytest.mark.parametrize("token", ["", "tenant-a-secret-toke", "guess"])
+def test_an_unknown_key_is_a_401_and_reaches_nothing(engine: LlamaServerProcess,
+                                                     token: str) -> None:
+    """B without a configured key (none, a near miss of A's, a guess) is a 401 on the
+    pipeline and the pass-through paths: the engine prefills nothing, A keeps its cache."""
+    with proxy(engine) as rig:
+        a = victim(rig)
+        before = rig.prefilled()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        chat = httpx.post(f"{rig.url}/v1/chat/completions", headers=headers, timeout=60,
+                          json={"messages": [{"role": "system", "content": SECRET},
+                                             {"role": "user", "content": "hi"}]})
+        tokenize = httpx.post(f"{rig.url}/tokenize", headers=headers, timeout=60,
+                              json={"content": SECRET})
+        assert rig.prefilled() == before
+        assert_a_still_cached(rig, a)
+    assert chat.status_code == tokenize.status_code == 401
+    assert chat.json()["error"]["code"] == "invalid_api_key"

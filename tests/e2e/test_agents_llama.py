@@ -91,21 +91,25 @@ def run_turns(cli: Cli, url: str, engine: LlamaServerProcess, root: Path,
               caplog: pytest.LogCaptureFixture, turns: int) -> list[TurnFigures]:
     session = AgentSession(cli, url, root, executable=require_agent(cli),
                            timeout=TURN_TIMEOUT_S)
-    figures: list[TurnFigures] = []
-    for number, prompt in enumerate(PROMPTS[:turns], 1):
-        seen = len(request_lines(caplog))
-        before = prefilled([engine])
-        turn = session.turn(prompt).check()
-        deadline = time.monotonic() + 5  # the proxy logs a request once it has settled
-        while len(request_lines(caplog)) == seen and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        lines = request_lines(caplog)[seen:]
-        assert lines, f"{cli} turn {number}: no request reached the proxy\n{turn.stderr[-2000:]}"
-        for line in lines:
-            assert line["outcome"] == "ok", line
-        figures.append(TurnFigures(number, turn.seconds, prefilled([engine]) - before, lines))
-    return figures
+    return [one_turn(session, number, prompt, engine, caplog)
+            for number, prompt in enumerate(PROMPTS[:turns], 1)]
+
+
+def one_turn(session: AgentSession, number: int, prompt: str, engine: LlamaServerProcess,
+             caplog: pytest.LogCaptureFixture) -> TurnFigures:
+    cli = session.cli
+    seen = len(request_lines(caplog))
+    before = prefilled([engine])
+    turn = session.turn(prompt).check()
+    deadline = time.monotonic() + 5  # the proxy logs a request once it has settled
+    while len(request_lines(caplog)) == seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    lines = request_lines(caplog)[seen:]
+    assert lines, f"{cli} turn {number}: no request reached the proxy\n{turn.stderr[-2000:]}"
+    for line in lines:
+        assert line["outcome"] == "ok", line
+    return TurnFigures(number, turn.seconds, prefilled([engine]) - before, lines)
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -128,3 +132,27 @@ def test_each_follow_up_turn_reuses_its_whole_previous_prompt(
         new = after.main["prompt_tokens"] - before.main["prompt_tokens"]
         side = sum(r["prompt_tokens"] for r in after.requests if r is not after.main)
         assert after.engine_prefill <= new + SLACK + side, report
+
+
+def test_one_persons_three_agents_with_their_own_dummy_keys_share_one_engine(
+        engine: LlamaServerProcess, proxy: ServedURL, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One person's OpenCode, Claude Code and Codex, each with a dummy key of its own, take
+    turns on llama-server at its default flags (its host cache shared by all slots) through
+    prefixpin with no tenants configured: all answered, one namespace, and every
+    follow-up reads all of its previous prompt from cache (three sessions, two slots)."""
+    caplog.set_level(logging.INFO, "prefixpin")
+    keys = {"opencode": "opencode-dummy", "claude": "sk-ant-dummy", "codex": "codex-dummy"}
+    sessions = [AgentSession(cli, proxy, tmp_path / cli, executable=require_agent(cli),
+                             timeout=TURN_TIMEOUT_S, key=keys[cli]) for cli in CLIS]
+    turns: dict[Cli, list[TurnFigures]] = {cli: [] for cli in CLIS}
+    for number, prompt in enumerate(PROMPTS[:2], 1):
+        for session in sessions:
+            turns[session.cli].append(one_turn(session, number, prompt, engine, caplog))
+    report = "; ".join(f"{cli}: " + ", ".join(t.summary() for t in figures)
+                       for cli, figures in turns.items())
+    print(report)
+    assert {line.get("namespace") for line in request_lines(caplog)} == {"anon"}, report
+    for first, second in turns.values():
+        assert second.main["cached_tokens"] >= first.main["prompt_tokens"] - SLACK, report
+        assert second.main["session"] == first.main["session"], report

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ def shared_opening(engine: LlamaServerProcess) -> int:
 
 
 def test_three_namespaces_interleaved(engine: LlamaServerProcess, park_dir: Path,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+                                      caplog: pytest.LogCaptureFixture,
+                                      tenant_file: Callable[..., Path]) -> None:
     caplog.set_level(logging.INFO, "prefixpin")
     for slot in range(2):
         httpx.post(f"{engine.url}/slots/{slot}", params={"action": "erase"}, json={},
@@ -80,7 +81,8 @@ def test_three_namespaces_interleaved(engine: LlamaServerProcess, park_dir: Path
     opening = shared_opening(engine)
     assert opening < 16, opening
     config = Settings(upstream=engine.url, park_dir=park_dir, health_interval_s=0.5,
-                      park_min_tokens=128, park_index_dir=park_dir.with_name("park-index"))
+                      park_min_tokens=128, park_index_dir=park_dir.with_name("park-index"),
+                      tenants_file=tenant_file(*TOKENS))
     apps = create_apps(config)
     histories: dict[tuple[int, int], list[Json]] = {}
     usages: dict[tuple[int, int], list[Json]] = {}

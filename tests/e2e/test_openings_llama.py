@@ -11,7 +11,7 @@ slot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +116,14 @@ async def test_new_sessions_start_from_their_namespace_opening(
 
 
 async def test_openings_never_cross_namespaces(engine: LlamaServerProcess, park: Path,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+                                               caplog: pytest.LogCaptureFixture,
+                                               tenant_file: Callable[..., Path]) -> None:
     """The same system prompt under another tenant saves an opening of its own; the files
     go when the proxy stops."""
     caplog.set_level(logging.INFO, "prefixpin")
-    apps = create_apps(settings(engine, park, openings=True))
+    config = settings(engine, park, openings=True).model_copy(
+        update={"tenants_file": tenant_file("team-a", "team-b")})
+    apps = create_apps(config)
     app = apps.tenant
     async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
         await lanes_ready(app, timeout_s=60)

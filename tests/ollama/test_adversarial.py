@@ -11,6 +11,9 @@ other's cached prefixes).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from .conftest import MODEL, proxy_rig
@@ -19,6 +22,15 @@ pytestmark = pytest.mark.anyio
 
 A = {"authorization": "Bearer tenant-a-secret-token", "x-session-id": "a-desk"}
 B = {"authorization": "Bearer tenant-b-other-token"}
+
+
+def tenants(tmp_path: Path, *, dedicated: bool) -> dict[str, Any]:
+    """Tenants a and b configured (their keys A's and B's); ``dedicated``: the Ollama lane
+    is tenant a's."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants]\na = "tenant-a-secret-token"\nb = "tenant-b-other-token"\n')
+    return {"tenants_file": path,
+            **({"upstream_namespaces": {"http://fake-ollama": ["a"]}} if dedicated else {})}
 SECRET = "You are tenant A's assistant. Confidential: " + "the vault code is 4711. " * 30
 CHAT = {"model": MODEL, "stream": False,
         "messages": [{"role": "system", "content": SECRET},
@@ -68,13 +80,15 @@ async def test_model_management_is_refused_in_ollamas_shape(
 
 @pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/v1/chat/completions",
                                   "/v1/completions"])
-async def test_a_second_namespace_is_refused_on_the_ollama_lane(path: str) -> None:
-    """Every Ollama shares cached prefixes across requests: B, guessing A's system prompt
-    exactly, is refused before anything reaches the engine, on every API."""
+async def test_a_second_namespace_is_refused_on_the_ollama_lane(path: str,
+                                                              tmp_path: Path) -> None:
+    """Every Ollama shares cached prefixes across requests: with the lane dedicated to
+    tenant a, B, guessing A's system prompt exactly, is refused before anything reaches
+    the engine, on every API."""
     body: dict[str, object] = dict(CHAT)
     if path in ("/api/generate", "/v1/completions"):
         body = {"model": MODEL, "stream": False, "prompt": SECRET, "system": SECRET}
-    async with proxy_rig(recorder=True) as rig:
+    async with proxy_rig(recorder=True, **tenants(tmp_path, dedicated=True)) as rig:
         first = await rig.client.post("/api/chat", headers=A, json=CHAT)
         assert first.status_code == 200, first.text
         assert rig.recorder is not None
@@ -87,16 +101,16 @@ async def test_a_second_namespace_is_refused_on_the_ollama_lane(path: str) -> No
     error = guess.json()["error"]
     if path.startswith("/api/"):
         assert isinstance(error, str)
-        assert "--allow-shared-cache" in error  # names the opt-in
+        assert "dedicated to other namespaces" in error
     else:
-        assert error["code"] == "shared_prompt_cache"
+        assert error["code"] == "namespace_not_served"
     assert "Ollama" in health["upstreams"][0]["shared_cache"]
-    assert health["upstreams"][0]["cache_owner"] not in (None, "")
+    assert health["upstreams"][0]["namespaces"] == ["a"]
 
 
-async def test_a_retry_from_another_namespace_is_refused_too() -> None:
+async def test_a_retry_from_another_namespace_is_refused_too(tmp_path: Path) -> None:
     """x-stainless-retry-count and A's Idempotency-Key do not make B's request A's."""
-    async with proxy_rig() as rig:
+    async with proxy_rig(**tenants(tmp_path, dedicated=True)) as rig:
         first = await rig.client.post("/api/chat", headers=A, json=CHAT)
         assert first.status_code == 200, first.text
         guess = await rig.client.post("/api/chat", json=CHAT, headers={
@@ -105,10 +119,11 @@ async def test_a_retry_from_another_namespace_is_refused_too() -> None:
     assert guess.status_code == 403, guess.text
 
 
-async def test_allow_shared_cache_is_the_documented_opt_in() -> None:
+async def test_allow_shared_cache_is_the_documented_opt_in(tmp_path: Path) -> None:
     """With --allow-shared-cache the operator accepts that tenants may learn each other's
     cached prefixes: B is served (its own generation), and the lane says it is shared."""
-    async with proxy_rig(recorder=True, allow_shared_cache=True) as rig:
+    async with proxy_rig(recorder=True, allow_shared_cache=True,
+                         **tenants(tmp_path, dedicated=False)) as rig:
         first = await rig.client.post("/api/chat", headers=A, json=CHAT)
         assert rig.recorder is not None
         forwarded = len(rig.recorder.bodies)
@@ -121,5 +136,5 @@ async def test_allow_shared_cache_is_the_documented_opt_in() -> None:
     assert first.status_code == 200, first.text
     assert guess.status_code == 200, guess.text
     assert health["upstreams"][0]["shared_cache"]
-    assert health["upstreams"][0]["cache_owner"] is None
+    assert health["upstreams"][0]["gated"] is False
     assert delete.status_code == 403

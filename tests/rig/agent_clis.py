@@ -90,8 +90,10 @@ class AgentSession:
     """One CLI's conversation against ``base_url`` (no ``/v1``: each CLI adds its paths)."""
 
     def __init__(self, cli: Cli, base_url: str, root: Path, *, executable: Path | None = None,
-                 timeout: float = 180.0, env: Mapping[str, str] | None = None) -> None:
+                 timeout: float = 180.0, env: Mapping[str, str] | None = None,
+                 key: str = "dummy") -> None:
         self.cli: Cli = cli
+        self.key = key  # the API key the CLI sends (any: prefixpin checks none by default)
         self.base_url = base_url.rstrip("/")
         self.home = root / "home"
         self.workdir = root / "work"
@@ -115,7 +117,7 @@ class AgentSession:
         path = os.pathsep.join(dict.fromkeys([node_dir, "/usr/local/bin", "/usr/bin", "/bin"]))
         env = {"PATH": path, "HOME": str(self.home), "LANG": "C.UTF-8", "TERM": "dumb",
                "NO_COLOR": "1", "TMPDIR": str(self._tmp()), **_OFFLINE}
-        env.update(_ENV[self.cli](self.base_url))
+        env.update(_ENV[self.cli](self.base_url, self.key))
         env.update(self.extra_env)
         return env
 
@@ -159,7 +161,7 @@ def _configure_opencode(session: AgentSession) -> None:
               "autoupdate": False, "share": "disabled",
               "provider": {"local": {"npm": "@ai-sdk/openai-compatible", "name": "local",
                                      "options": {"baseURL": f"{session.base_url}/v1",
-                                                 "apiKey": "dummy"},
+                                                 "apiKey": session.key},
                                      "models": {MODEL: {"name": MODEL}}}}}
     (session.workdir / "opencode.json").write_text(json.dumps(config, indent=2))
 
@@ -168,7 +170,7 @@ def _opencode_args(prompt: str, *, continuing: bool) -> tuple[str, ...]:
     return ("run", "-c", prompt) if continuing else ("run", "-m", f"local/{MODEL}", prompt)
 
 
-def _opencode_env(base_url: str) -> dict[str, str]:
+def _opencode_env(base_url: str, key: str) -> dict[str, str]:
     return {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
             "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
             "OPENCODE_DISABLE_CLAUDE_CODE": "1", "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1",
@@ -188,8 +190,8 @@ def _claude_args(prompt: str, *, continuing: bool) -> tuple[str, ...]:
         "-p", prompt, "--model", MODEL)
 
 
-def _claude_env(base_url: str) -> dict[str, str]:
-    return {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "dummy",
+def _claude_env(base_url: str, key: str) -> dict[str, str]:
+    return {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": key,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
@@ -223,8 +225,8 @@ def _codex_args(prompt: str, *, continuing: bool) -> tuple[str, ...]:
     return ("exec", "--skip-git-repo-check", prompt)
 
 
-def _codex_env(base_url: str) -> dict[str, str]:
-    return {"LOCAL_KEY": "dummy"}
+def _codex_env(base_url: str, key: str) -> dict[str, str]:
+    return {"LOCAL_KEY": key}
 
 
 _CONFIGURE = {"opencode": _configure_opencode, "claude": _configure_claude,

@@ -32,13 +32,13 @@ from proxy.affinity import AffinityPlanner
 from proxy.aggregate import aggregate
 from proxy.generation import Generation
 from proxy.history import Committed, canonical, decide, digest
-from proxy.identity import namespace_of
 from proxy.metrics import Metrics
 from proxy.placement import SlotPool
 from proxy.relay import _ensure_usage, heartbeat_text
 from proxy.repair import RepairConfig, Repairer
 from proxy.service import PREFIX_BREAK_SLACK, Backend, Incoming, Outcome, SlotLedger
 from proxy.sessions import SessionStore
+from proxy.tenants import ANONYMOUS
 from proxy.validation import parse_request
 
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -325,7 +325,7 @@ async def _run_planner(repair: bool, turns: list[tuple[str | None, tuple[
             client = parse_request(json.dumps({"messages": messages}).encode(), "chat",
                                    "/v1/chat/completions", max_messages=100)
             before = {s.id: s.committed for s in store}
-            plan = await planner.plan(Incoming(client, headers, namespace_of(headers)),
+            plan = await planner.plan(Incoming(client, headers, ANONYMOUS),
                                       backend)
             session = store.get(plan.session or "")
             assert session is not None

@@ -1,36 +1,10 @@
-"""Namespaces and explicit session keys, in their documented precedence."""
+"""Explicit session keys, in their documented precedence (namespaces: test_tenants)."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.identity import ANONYMOUS, explicit_identity, namespace_of
-
-
-def test_namespace_is_a_hash_of_the_bearer_token_and_never_the_token() -> None:
-    """Two tokens give two namespaces; the token text does not appear in either."""
-    first = namespace_of({"authorization": "Bearer sk-secret-one"})
-    second = namespace_of({"authorization": "Bearer sk-secret-two"})
-    assert first != second
-    assert first.startswith("t-")
-    assert "secret" not in first
-    assert namespace_of({"authorization": "Bearer sk-secret-one"}) == first
-
-
-def test_an_anthropic_x_api_key_is_the_same_tenant_as_that_bearer_token() -> None:
-    """Anthropic clients send their key in x-api-key: the same key is the same namespace
-    in either header, and a bearer token wins when both are sent."""
-    bearer = namespace_of({"authorization": "Bearer sk-one"})
-    assert namespace_of({"x-api-key": "sk-one"}) == bearer
-    assert namespace_of({"x-api-key": "sk-two"}) not in (bearer, ANONYMOUS)
-    assert namespace_of({"authorization": "Bearer sk-one", "x-api-key": "sk-two"}) == bearer
-
-
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Basic abc"},
-                                     {"authorization": "Bearer "}, {"x-api-key": "  "}])
-def test_no_bearer_token_is_the_anonymous_namespace(headers: dict[str, str]) -> None:
-    """Without a bearer token every request shares one anonymous namespace."""
-    assert namespace_of(headers) == ANONYMOUS
+from proxy.identity import explicit_identity
 
 
 @pytest.mark.parametrize(("body", "headers", "key", "source"), [
@@ -74,3 +48,120 @@ def test_parent_header_marks_a_sub_agent() -> None:
 def test_unusable_keys_are_ignored(value: object) -> None:
     """Empty, non-string and absurdly long keys name no session."""
     assert explicit_identity({"session_id": value}, {}) is None
+
+
+CLAUDE_USER_ID = '{"device_id":"d1","account_uuid":"","session_id":"S"}'
+
+
+@pytest.mark.parametrize(("headers", "key", "source"), [
+    ({"x-dynamo-session-id": "dyn", "x-session-id": "h"}, "dyn", "header.x-dynamo-session-id"),
+    ({"x-qwen-code-session-id": "qwen"}, "qwen", "header.x-qwen-code-session-id"),
+    ({"x-kilocode-taskid": "ses_kilo"}, "ses_kilo", "header.x-kilocode-taskid"),
+    ({"x-roo-task-id": "roo-task"}, "roo-task", "header.x-roo-task-id"),
+    ({"x-task-id": "cline-task"}, "cline-task", "header.x-task-id"),
+    # Roo Code's OpenAI providers and Cline's Codex provider send the task id as session_id
+    ({"session_id": "roo-task"}, "roo-task", "header.session_id"),
+    # pi's Responses transport sends Session-ID; the router lower-cases header names
+    ({"session-id": "pi-session"}, "pi-session", "header.session-id"),
+    ({"thread-id": "codex-thread"}, "codex-thread", "header.thread-id"),
+    ({"x-session-affinity": "ses_open"}, "ses_open", "header.x-session-affinity"),
+    # the agents' headers that name one session are read after the generic ones
+    ({"x-qwen-code-session-id": "q", "x-kilocode-taskid": "k", "x-roo-task-id": "r",
+      "x-task-id": "c"}, "q", "header.x-qwen-code-session-id"),
+    ({"x-kilocode-taskid": "k", "x-roo-task-id": "r", "x-task-id": "c"}, "k",
+     "header.x-kilocode-taskid"),
+    ({"x-roo-task-id": "r", "x-task-id": "c"}, "r", "header.x-roo-task-id"),
+])
+def test_each_agents_session_header_names_the_session(
+        headers: dict[str, str], key: str, source: str) -> None:
+    """Every 2026 agent's session header names a session, each in its documented place;
+    none of them is a sub-agent or ends its session."""
+    identity = explicit_identity({}, headers)
+    assert identity is not None
+    assert (identity.key, identity.source, identity.parent, identity.final) == (
+        key, source, None, False)
+
+
+def test_a_claude_code_sub_agent_is_its_own_session_under_the_main_one() -> None:
+    """X-Claude-Code-Agent-Id: key <session>/<agent>, parent the main agent's key."""
+    main = explicit_identity({}, {"x-claude-code-session-id": "S"})
+    sub = explicit_identity({}, {"x-claude-code-session-id": "S",
+                                 "x-claude-code-agent-id": "a1"})
+    assert main is not None
+    assert sub is not None
+    assert (main.key, main.parent) == ("S", None)
+    assert (sub.key, sub.parent) == ("S/a1", "S")
+    assert sub.source == "header.x-claude-code-session-id+header.x-claude-code-agent-id"
+
+
+def test_a_claude_code_sub_agents_sub_agent_names_its_parent_agent() -> None:
+    """X-Claude-Code-Parent-Agent-Id: the parent is that sub-agent's own key."""
+    identity = explicit_identity({}, {"x-claude-code-session-id": "S",
+                                      "x-claude-code-agent-id": "a2",
+                                      "x-claude-code-parent-agent-id": "a1"})
+    assert identity is not None
+    assert (identity.key, identity.parent) == ("S/a2", "S/a1")
+
+
+def test_the_agent_id_is_joined_to_the_session_in_the_body_too() -> None:
+    """Claude Code's metadata.user_id (read before headers) carries the same session id:
+    the agent header still makes the request a sub-agent of it."""
+    body = {"metadata": {"user_id": CLAUDE_USER_ID}}
+    identity = explicit_identity(body, {"x-claude-code-session-id": "S",
+                                        "x-claude-code-agent-id": "a1"})
+    main = explicit_identity(body, {"x-claude-code-session-id": "S"})
+    assert identity is not None
+    assert main is not None
+    assert (identity.key, identity.parent) == ("S/a1", "S")
+    assert identity.source == "body.metadata.user_id+header.x-claude-code-agent-id"
+    assert (main.key, main.parent) == ("S", None)
+
+
+def test_a_parent_agent_id_without_an_agent_id_says_nothing() -> None:
+    """The parent-agent header travels only with an agent id: alone it is ignored."""
+    identity = explicit_identity({}, {"x-claude-code-session-id": "S",
+                                      "x-claude-code-parent-agent-id": "a1"})
+    assert identity is not None
+    assert (identity.key, identity.parent) == ("S", None)
+
+
+def test_an_agent_id_alone_names_no_session() -> None:
+    """Without the session it belongs to, an agent id is no session key."""
+    assert explicit_identity({}, {"x-claude-code-agent-id": "a1"}) is None
+
+
+def test_dynamo_parent_header_marks_a_sub_agent() -> None:
+    """X-Dynamo-Parent-Session-ID is the parent, after OpenCode's x-parent-session-id."""
+    identity = explicit_identity({}, {"x-dynamo-session-id": "child",
+                                      "x-dynamo-parent-session-id": "main"})
+    assert identity is not None
+    assert (identity.key, identity.parent) == ("child", "main")
+    both = explicit_identity({}, {"x-session-id": "child", "x-parent-session-id": "open",
+                                  "x-dynamo-parent-session-id": "dyn"})
+    assert both is not None
+    assert both.parent == "open"
+
+
+@pytest.mark.parametrize(("value", "final"), [
+    ("true", True), ("1", True), ("TRUE", True), (" yes ", True),
+    ("false", False), ("0", False), ("", False), ("maybe", False),
+])
+def test_dynamo_session_final_ends_the_named_session(value: str, final: bool) -> None:
+    """X-Dynamo-Session-Final: true (or 1, yes) marks the request as the session's last."""
+    identity = explicit_identity({}, {"x-dynamo-session-id": "d",
+                                      "x-dynamo-session-final": value})
+    assert identity is not None
+    assert (identity.key, identity.final) == ("d", final)
+
+
+def test_final_applies_to_whichever_key_named_the_session() -> None:
+    """The final header ends the session the request names, wherever its key came from,
+    a sub-agent's included; without a session it names nothing."""
+    identity = explicit_identity({"prompt_cache_key": "p"}, {"x-dynamo-session-final": "1"})
+    assert identity is not None
+    assert (identity.key, identity.final) == ("p", True)
+    sub = explicit_identity({}, {"x-claude-code-session-id": "S", "x-claude-code-agent-id": "a",
+                                 "x-dynamo-session-final": "true"})
+    assert sub is not None
+    assert (sub.key, sub.final) == ("S/a", True)
+    assert explicit_identity({}, {"x-dynamo-session-final": "true"}) is None
