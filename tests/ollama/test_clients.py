@@ -258,3 +258,16 @@ def test_what_a_raw_client_sees_during_the_prefill() -> None:
     assert comments[0] == b": prefixpin"
     assert len(comments) >= 5
     assert set(comments[1:]) == {b": waiting for the engine"}
+
+
+def test_one_persons_keyless_ollama_client_and_keyed_openai_sdk_are_both_answered(
+        proxy: Served) -> None:
+    """No tenants configured (Ollama's wire format, recorded; not a real Ollama): the
+    ``ollama`` client sends no key and the ``openai`` SDK a dummy one; they are one person's
+    clients, and both are answered on the Ollama lane whose cache every request shares."""
+    with ollama_client(proxy.url) as keyless:
+        native = keyless.chat(model=MODEL, messages=USER)
+    with openai_client(proxy.url) as keyed:
+        chat = keyed.chat.completions.create(model=MODEL, messages=USER)
+    assert native.message.content == REPLY
+    assert chat.choices[0].message.content == REPLY
