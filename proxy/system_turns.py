@@ -1,7 +1,9 @@
 """System messages in the middle of a conversation, for chat templates that refuse them.
 
 Claude Code (2.1.208 and later) sends ``role: "system"`` messages inside ``messages``
-(its agent list, hook output), and so do other harnesses that inject per-turn context.
+(its agent list, hook output), Codex ``developer`` ones after its instructions (which
+llama-server renders as system messages), and so do other harnesses that inject per-turn
+context.
 Qwen3.x chat templates raise "System message must be at the beginning." on any system
 message that is not the first, so llama-server answers every such request with a 500.
 Gateways that hoist those messages into the leading system prompt make the request
@@ -50,9 +52,14 @@ async def refuses_mid_system(adapter: Adapter) -> bool:
     return False
 
 
+# llama-server renders a ``developer`` message as a system one (Codex sends its permissions
+# and instructions so, after the leading system message its Responses body converts to).
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
 def has_mid_system(messages: object) -> bool:
     return isinstance(messages, list) and any(
-        isinstance(m, Mapping) and m.get("role") == "system" for m in messages[1:])
+        isinstance(m, Mapping) and m.get("role") in SYSTEM_ROLES for m in messages[1:])
 
 
 def in_place(messages: Sequence[Any]) -> list[Any]:
@@ -61,7 +68,7 @@ def in_place(messages: Sequence[Any]) -> list[Any]:
 
 
 def _as_user_turn(message: Any) -> Any:
-    if not isinstance(message, Mapping) or message.get("role") != "system":
+    if not isinstance(message, Mapping) or message.get("role") not in SYSTEM_ROLES:
         return message
     return {"role": "user", "content": OPEN + _text(message.get("content")) + CLOSE}
 

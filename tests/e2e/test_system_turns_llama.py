@@ -100,6 +100,25 @@ async def test_claude_codes_messages_with_a_system_turn_are_answered(
     assert response.json()["type"] == "message"
 
 
+@pytest.mark.anyio
+async def test_codexs_responses_with_developer_messages_are_answered(
+        proxy: ProxyClient, qwen35: LlamaServerProcess) -> None:
+    """OpenAI Responses as Codex sends them: instructions, then developer input items,
+    which llama-server renders as system messages after the first (refused directly)."""
+    body = {"model": "qwen35-tiny", "max_output_tokens": 4, "instructions": "You are Codex.",
+            "input": [{"type": "message", "role": "developer",
+                       "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "List the files."}]}]}
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = await http.post(f"{qwen35.url}/v1/responses", json=body)
+    response = await proxy.post("/v1/responses", json=body,
+                                headers={"authorization": "Bearer codex-dummy"})
+    assert direct.status_code == 500, direct.text
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "completed"
+
+
 def test_the_rendering_is_the_system_text_as_a_reminder_turn(
         qwen35: LlamaServerProcess) -> None:
     """What the engine renders for the rewritten turn: the system text, whole, inside the

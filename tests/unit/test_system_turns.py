@@ -30,3 +30,15 @@ def test_a_leading_system_message_alone_is_not_mid_conversation() -> None:
                                {"role": "user", "content": "u"}])
     assert not has_mid_system("not a list")
     assert in_place([]) == []
+
+
+def test_a_developer_message_after_the_first_is_one_too() -> None:
+    """Codex's Responses body converts to its instructions (system), then developer
+    messages, which llama-server renders as system ones."""
+    messages = [{"role": "system", "content": "instructions"},
+                {"role": "developer", "content": "permissions"},
+                {"role": "user", "content": "u"}]
+    assert has_mid_system(messages)
+    assert in_place(messages)[1] == {"role": "user", "content": f"{OPEN}permissions{CLOSE}"}
+    assert not has_mid_system([{"role": "developer", "content": "d"},
+                               {"role": "user", "content": "u"}])
