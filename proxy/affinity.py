@@ -119,6 +119,7 @@ class AffinityPlanner:
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
+                    decision=session.last_decision,
                     # the body as planned (not rewritten by repair): the request's own
                     # digests and shape
                     digests=(digests if as_planned
@@ -142,7 +143,7 @@ class AffinityPlanner:
             return
         blocked = None
         if lease.eviction is not None:
-            self.metrics.slot_evictions.labels(plan.notes.get("upstream", ""),
+            self.metrics.slot_evictions.labels((plan.lane or ""),
                                                lease.eviction.reason).inc()
             previous = self.store.get(lease.eviction.session_id)
             if previous is None or previous.namespace != session.namespace:
@@ -169,6 +170,7 @@ class AffinityPlanner:
         if blocked is not None:
             plan.body["cache_prompt"] = False
             plan.notes["cache"] = blocked
+            plan.cache_blocked = True
 
     async def engine_restarted(self, before: EngineInfo, after: EngineInfo) -> None:
         """Every slot is empty now: no session is in a slot until bytes decide again."""
@@ -216,7 +218,7 @@ class AffinityPlanner:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
             elif self.anchorer is not None:
                 self.anchorer.after_turn(self.pool, plan.slot, session.id)
-        self.metrics.slots_occupied.labels(plan.notes.get("upstream", "")).set(
+        self.metrics.slots_occupied.labels(plan.lane or "").set(
             self.pool.occupied)
 
     def _release(self, session: Session) -> None:

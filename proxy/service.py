@@ -112,6 +112,10 @@ class Plan:
     cached_estimate: CachedEstimate | None = None  # engines that report no cached count
     engine_resumed: bool = False  # the engine is believed to hold the session's prompt
     lane: str | None = None  # the backend (lane label) the request goes to
+    # What the planner decided (resumed, rewound, new, declined, ...; None: no planner
+    # decides), and whether the slot is read from cache at all: why a prefix broke.
+    decision: str | None = None
+    cache_blocked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,7 +383,7 @@ class ProxyService:
                 fields["error"] = record.error
             log_event(self.log, logging.INFO, "request", **fields)
         if shortfall is not None:
-            self.metrics.prefix_breaks.labels(upstream, plan.notes.get("cause", "unknown")).inc()
+            self.metrics.prefix_breaks.labels(upstream, break_cause(plan)).inc()
             log_event(self.log, logging.WARNING, "prefix break", upstream=upstream, slot=slot,
                       session=plan.session, shortfall=shortfall,
                       cached_tokens=figures.cached_tokens, prompt_tokens=figures.prompt_tokens)
@@ -399,6 +403,22 @@ class ProxyService:
                     cached / figures.prompt_tokens)
         if figures.prompt_ms is not None:
             self.metrics.prefill.labels(upstream).observe(figures.prompt_ms / 1000)
+
+
+def break_cause(plan: Plan) -> str:
+    """Why a request reused far less than its slot held, from what its planner decided:
+    the slot was not read from cache (another namespace, unknown contents), another history
+    took it, the session's own history was rewritten, or the engine did not reuse what the
+    proxy believed it held."""
+    if plan.cache_blocked:
+        return "cache_blocked"
+    if plan.decision in ("new", "declined"):
+        return "other_history"
+    if plan.decision == "rewound":
+        return "rewound"
+    if plan.decision is None:
+        return "unplanned"
+    return "engine"
 
 
 def request_key(incoming: Incoming) -> bytes:

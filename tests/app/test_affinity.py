@@ -269,3 +269,21 @@ async def test_dynamo_session_final_removes_the_sessions_parked_file(tmp_path: P
     async with running_proxy(engine, **park_settings(tmp_path)) as (client, _):
         await ask(client, conversation("A", 3), {"x-session-id": "A"})
         assert await metric(client, "prefixpin_park_revivals_total") == 0
+
+
+async def test_a_prefix_break_is_counted_with_its_cause() -> None:
+    """One slot: B's new history takes the slot A's long prompt held: the break is another
+    history's (it used to be counted as cause "unknown", whatever happened)."""
+    engine = FakeLlamaServer(FakeLlamaConfig(n_slots=1, cache_ram=0))
+    long_system = {"role": "system", "content": "You are a careful agent. " * 120}
+    async with running_proxy(engine) as (client, _):
+        await ask(client, [long_system, {"role": "user", "content": "A one"}],
+                  {"x-session-id": "A"})
+        await ask(client, [{"role": "system", "content": "Other. " * 200},
+                           {"role": "user", "content": "B one"}], {"x-session-id": "B"})
+        other = await metric(client, "prefixpin_prefix_breaks_total",
+                             upstream="fake-llama", cause="other_history")
+        unknown = await metric(client, "prefixpin_prefix_breaks_total",
+                               upstream="fake-llama", cause="unknown")
+    assert other == 1
+    assert unknown == 0
