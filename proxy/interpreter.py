@@ -23,7 +23,7 @@ from typing import Any
 
 SLOW_BUILD_NOTE = ("a shared libpython configured without --enable-optimizations or "
                    "--with-lto (pyenv's default build): about 5% more CPU per relayed event "
-                   "than a static PGO/LTO build (README: Benchmarks, the interpreter)")
+                   "than a static PGO/LTO build (docs/benchmarks.md: the interpreter)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     park_index_dir: Path | None = Field(None, description="prefixpin's own directory for the "
                                         "sqlite park index (without --redis)")
 
-    # Several backends and replicas (README: "Several backends and replicas").
+    # Several backends and replicas (docs/backends.md).
     upstreams: list[str] = Field(default_factory=list,
                                  description="Further engine base URLs (several backends)")
     placement: Literal["affinity", "round-robin", "least-loaded"] = Field(
