@@ -2,7 +2,7 @@
 (``/api/chat``, ``/api/generate``, NDJSON).
 
 Facts this relies on (``docs/ollama-wire.md``, read from Ollama's source; Ollama cannot be
-installed on the build machines, so the tests run against ``proxy.testing.fake_ollama``,
+installed on the build machines, so the tests run against ``tests.fakes.fake_ollama``,
 which replays its recorded wire formats):
 
 * Ollama chooses llama-server slots itself and never sends ``id_slot``: no slot pinning, no

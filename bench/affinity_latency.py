@@ -49,7 +49,7 @@ from bench.trees import (
     rotated,
 )
 from proxy.models import ensure_model
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 WORDS = ["parse", "render", "token", "slot", "cache", "prefix", "commit", "session", "engine",
          "queue", "def", "return", "import", "class", "while", "yield", "async", "await",
@@ -97,7 +97,7 @@ def run(requests: int, before: Tree | None = None) -> dict[str, Any]:
     affinity_urls: dict[str, str] = {}
     pids: dict[str, int] = {}  # per proxy process: its pid
     with ExitStack() as stack:
-        stack.enter_context(process([sys.executable, "-m", "proxy.testing.fake_llama",
+        stack.enter_context(process([sys.executable, "-m", "tests.fakes.fake_llama",
                                      "--port", str(fake_port), "--reply-words", "4",
                                      "--n-ctx", "131072"], fake))
         for label, tree in trees.items():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.engine import EngineAPI, EngineError, ManagedProcess, llama_server_argv
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 

@@ -99,7 +99,7 @@ TARGET_ADDED_MS = 50.0
 FAKE_BUDGET_US = 10.0  # the fake must cost well below the proxy's target
 BURST_BEFORE_MS = 231.0  # the figure: 64 at once, added p99 first event
 PREVIOUS = ("Previous numbers (the bench before this one: uvicorn fake "
-            "`proxy.testing.fake_llama`, all streams at once, fresh connections, 2026-11-29): "
+            "`tests.fakes.fake_llama`, all streams at once, fresh connections, 2026-11-29): "
             "the proxy spent 250-440 µs of CPU per relayed event; added p99 first event "
             "+324 ms at 32 streams and +5.6 s at 256 (last byte +305 ms and +5.5 s); the fake "
             "itself cost 73-103 µs per event on the same two cores.")

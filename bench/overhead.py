@@ -1,6 +1,6 @@
 """What the proxy adds: latency per request and relay throughput, side by side with direct.
 
-A zero-latency fake llama-server (``proxy.testing.fake_llama``, real uvicorn, its own
+A zero-latency fake llama-server (``tests.fakes.fake_llama``, real uvicorn, its own
 process) serves every arm; prefixpin runs in its own process in front of it (features at
 their defaults), and so does the floor: a bare starlette + httpx relay on the same server
 stack (``bench/floor_proxy.py``), the least any proxy built on these libraries adds.
@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
 
@@ -112,7 +112,7 @@ def run(requests: int, events: int, before: Tree | list[Tree] | None = None,
     proxied = f"http://127.0.0.1:{proxy_port}"
     # The fake writes 16 events per socket write: the relay is measured, not the fake's
     # own per-write cost (a real engine's tokens are far slower than either).
-    fake_cmd = [sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(fake_port),
+    fake_cmd = [sys.executable, "-m", "tests.fakes.fake_llama", "--port", str(fake_port),
                 "--reply-words", str(events), "--events-per-write", "16"]
     this = Tree.this()
     proxy_args = ["--upstream", fake, "--log-level", "warning"]

@@ -56,7 +56,7 @@ from bench.provenance import git_revision, host_lines
 from bench.runner import HTTP_TIMEOUT, Turn, send_turn
 from bench.transcript import Transcript, load_named
 from bench.trees import operator_url
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "parking"

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.servers import serve_in_thread
 
 Api = Literal["chat", "anthropic", "responses"]
 Json = dict[str, Any]

@@ -98,7 +98,7 @@ class _Proxy:
     def __init__(self, upstream: str) -> None:
         from proxy.app import create_apps
         from proxy.settings import Settings
-        from proxy.testing.servers import serve_proxy
+        from tests.fakes.servers import serve_proxy
 
         self.stack = contextlib.ExitStack()
         self.url = self.stack.enter_context(serve_proxy(create_apps(Settings(upstream=upstream))))

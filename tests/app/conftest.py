@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import ProxyApps, create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 ProxyFactory = Callable[..., Any]
 

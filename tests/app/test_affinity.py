@@ -15,10 +15,10 @@ from core.asgi_transport import StreamingASGITransport
 from proxy.affinity import AffinityPlanner
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import clients_of, running_proxy
 from tests.app.test_parking import SlotFileFakeLlama, metric, park_files
 from tests.app.test_parking import settings as park_settings
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.anyio

@@ -19,8 +19,8 @@ from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.backends import MemoryHomes, rendezvous, session_identity
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 

@@ -27,8 +27,8 @@ from proxy.app import create_app
 from proxy.http_limits import MAX_HEAD_BYTES, http_options
 from proxy.logs import JSONFormatter
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.servers import serve_in_thread
 from tests.reporting import print_uncaptured
 from tests.rig.models import ensure_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 

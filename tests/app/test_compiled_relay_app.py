@@ -22,8 +22,8 @@ from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.relay import LiveStream
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from proxy.testing.servers import serve_in_thread, serve_proxy
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.servers import serve_in_thread, serve_proxy
 from tests.rig.parts import require_compiled_relay
 
 require_compiled_relay()

@@ -2,7 +2,7 @@
 
 Two crashes, each a real process dying by SIGSEGV:
 
-- a fake llama-server in its own process (``python -m proxy.testing.fake_llama --die-at``)
+- a fake llama-server in its own process (``python -m tests.fakes.fake_llama --die-at``)
   that kills itself mid-prefill or mid-stream, as a llama.cpp fault does, one lane beside
   another: the client gets an OpenAI error event and the end of its stream, the other lane
   keeps serving, and ``/healthz`` names the lost engine (503 when it is the only one);
@@ -33,10 +33,10 @@ from adapters.embedded import EmbeddedAdapter
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_faults import Capture, chat, read, sessions_when, wait_until
 from tests.app.test_parking import ask, cached, conversation, index_dir, metric, prompt
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +55,7 @@ def dying_fake(die_at: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A fake llama-server process that kills itself (SIGSEGV) at ``die_at``."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "proxy.testing.fake_llama", "--port", str(port),
+        [sys.executable, "-m", "tests.fakes.fake_llama", "--port", str(port),
          "--die-at", die_at, "--reply-words", "400", "--token-delay-ms", "5",
          "--prefill-ms-per-token", "2", "--batch", "16", "--slots", "1"])
     try:

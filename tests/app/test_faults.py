@@ -32,10 +32,10 @@ import pytest
 from adapters._http import send_with_stale_retry
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from proxy.testing.servers import serve_in_thread
-from proxy.testing.tcp_tap import TcpTap, run_tap
 from tests.app.conftest import ProxyClient, clients_of
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.servers import serve_in_thread
+from tests.fakes.tcp_tap import TcpTap, run_tap
 from tests.reporting import print_uncaptured
 
 pytestmark = pytest.mark.anyio

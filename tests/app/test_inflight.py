@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 

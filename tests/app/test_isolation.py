@@ -21,8 +21,8 @@ from proxy.app import create_app, create_apps
 from proxy.router import Router
 from proxy.settings import Settings
 from proxy.tenants import ANONYMOUS
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import clients_of, lanes_ready, running_proxy
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.ollama.conftest import MODEL, proxy_rig
 
 pytestmark = pytest.mark.anyio

@@ -3,7 +3,7 @@ different engine kinds sit behind one router, each running the pipeline its kind
 
 The llama-server lanes are the fake llama-server (wire format only) and the Ollama lane is
 the fake Ollama: Ollama cannot be installed on these machines, and the fake replays its
-recorded wire formats (``proxy.testing.fake_ollama``, ``docs/ollama-wire.md``). Cache
+recorded wire formats (``tests.fakes.fake_ollama``, ``docs/ollama-wire.md``). Cache
 behaviour against real engines is tested in tests/e2e.
 """
 
@@ -23,10 +23,10 @@ from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.engines import ENGINES, EngineKind, kind_of, register
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from proxy.testing.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_backends import Switch
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
 from tests.ollama.conftest import MODELS, instant_sleep
 
 pytestmark = pytest.mark.anyio

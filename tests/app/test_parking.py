@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.parking import INDEX_NAME, PARK_PREFIX, SLOT_FILE_MAGIC, SLOT_FILE_VERSION
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import ProxyClient, running_proxy
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 

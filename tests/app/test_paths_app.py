@@ -29,8 +29,8 @@ from proxy.http_limits import http_options
 from proxy.passthrough import forward
 from proxy.paths import PathRejected, canonical_paths, is_canonical
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
+from tests.fakes.servers import serve_in_thread
 from tests.unit.test_paths import REJECT, aliases
 
 pytestmark = pytest.mark.anyio

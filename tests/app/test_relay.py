@@ -12,8 +12,8 @@ import pytest
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_app
 from proxy.settings import Settings
-from proxy.testing.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import running_proxy
+from tests.fakes.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
 

@@ -19,8 +19,8 @@ import pytest
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
+from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = [pytest.mark.anyio,

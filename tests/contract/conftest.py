@@ -5,7 +5,7 @@ in-process llama.cpp engine. Both run SmolLM2 with small prefill batches, so a p
 few hundred tokens is prefilled in several batches and a disconnect can land mid-prefill.
 
 The Ollama arms (its OpenAI-compatible API, and the same calls on its native ``/api/chat``)
-run against the recorded-format fake Ollama (``proxy.testing.fake_ollama``): Ollama cannot
+run against the recorded-format fake Ollama (``tests.fakes.fake_ollama``): Ollama cannot
 be installed on these machines. The fake prefills in batches of the same size, slowly
 enough for a disconnect to land mid-prefill, and counts cached tokens as llama-server under
 Ollama 0.33.3 and later reports them.
@@ -23,7 +23,7 @@ from adapters.base import Adapter, UpstreamCall
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter
 from core.asgi_transport import StreamingASGITransport
-from proxy.testing.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
+from tests.fakes.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.models import ensure_model
 

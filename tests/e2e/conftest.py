@@ -12,7 +12,7 @@ import pytest
 
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.servers import ServedURL, serve_proxy
+from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 

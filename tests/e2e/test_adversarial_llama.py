@@ -31,8 +31,8 @@ import pytest
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
 from tests.e2e.helpers import filler
+from tests.fakes.servers import serve_in_thread
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.scrape import metric
 from tests.unit.test_paths import REJECT, aliases

@@ -31,7 +31,7 @@ import pytest
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import ServedURL, serve_proxy
+from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.agent_clis import CLIS, ENGINE_CAP_ARGS, AgentSession, Cli
 from tests.rig.agents import require_agent
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from proxy.codecs.anthropic import AnthropicCodec
-from proxy.testing.tcp_tap import run_tap
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import filler
+from tests.fakes.tcp_tap import run_tap
 from tests.rig.llama_process import LlamaServerProcess
 from tests.rig.scrape import prefilled
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.testing.tcp_tap import run_tap
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import filler, stream_chat
+from tests.fakes.tcp_tap import run_tap
 from tests.rig.llama_process import LlamaServerProcess
 
 pytestmark = pytest.mark.llama

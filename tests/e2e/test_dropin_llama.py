@@ -42,8 +42,8 @@ from proxy.app import create_apps
 from proxy.cli import build_parser, parse_upstream_line, settings_from_args
 from proxy.engines import http_client
 from proxy.settings import Settings
-from proxy.testing.servers import serve_proxy
 from tests.e2e.conftest import ProxyRunner
+from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 KEY = "prefixpin-dropin-key"

@@ -25,9 +25,9 @@ import pytest
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import ServedURL, serve_proxy
-from proxy.testing.tcp_tap import run_tap
 from tests.e2e.helpers import filler
+from tests.fakes.servers import ServedURL, serve_proxy
+from tests.fakes.tcp_tap import run_tap
 from tests.reporting import print_uncaptured
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 

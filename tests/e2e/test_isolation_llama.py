@@ -15,8 +15,8 @@ import pytest
 
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.servers import serve_proxy
 from tests.e2e.conftest import ProxyRunner
+from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 pytestmark = pytest.mark.llama

@@ -1,7 +1,7 @@
 """Three engine kinds behind one router, end to end: a real llama-server, the embedded
 llama.cpp engine in process (``--upstream embedded``), and an Ollama lane. Ollama cannot be
 installed on these machines: its lane is the fake Ollama (recorded wire formats,
-``proxy.testing.fake_ollama``) on a loopback port. The proxy runs under a real uvicorn.
+``tests.fakes.fake_ollama``) on a loopback port. The proxy runs under a real uvicorn.
 
 Each session stays on its lane, and every follow-up turn on a llama.cpp lane (the real
 llama-server, the embedded engine) reuses all of its previous prompt, as the engine itself
@@ -18,9 +18,9 @@ import pytest
 
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_ollama import create_fake_ollama
-from proxy.testing.servers import serve_in_thread, serve_proxy
 from tests.e2e.helpers import filler
+from tests.fakes.fake_ollama import create_fake_ollama
+from tests.fakes.servers import serve_in_thread, serve_proxy
 from tests.ollama.conftest import fake_config
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.models import ensure_model

@@ -27,8 +27,8 @@ import pytest
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import serve_in_thread
 from tests.e2e.helpers import filler
+from tests.fakes.servers import serve_in_thread
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]

@@ -21,8 +21,8 @@ import pytest
 from proxy.app import create_apps
 from proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
 from proxy.settings import Settings
-from proxy.testing.servers import ServedURL, serve_proxy
 from tests.e2e.helpers import filler, stream_chat
+from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server
 from tests.rig.scrape import metric
 

@@ -14,7 +14,7 @@ from adapters._openai_sse import classify_whole
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings
-from proxy.testing.servers import serve_proxy
+from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess
 from tests.rig.parts import require_compiled_relay
 from tests.unit.test_same_shape_tokens import counted_frames

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.servers import serve_in_thread
 from tests.rig.llama_process import run_llama_server
 from tests.rig.models import ensure_model
 from tests.rig.parts import require_llama_cpp

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from fingerprint.tokenizer import ModelTokenizer, load_tokenizer
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 from tests.rig.llama_build import ensure_llama_server
 from tests.rig.models import ensure_model
 

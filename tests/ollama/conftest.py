@@ -1,4 +1,4 @@
-"""prefixpin in front of the fake Ollama (``proxy.testing.fake_ollama``).
+"""prefixpin in front of the fake Ollama (``tests.fakes.fake_ollama``).
 
 Ollama cannot be installed on these machines, so every test here runs against the fake,
 which replays Ollama's wire formats as recorded from its documentation, source and
@@ -22,14 +22,14 @@ from starlette.applications import Starlette
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
 from proxy.settings import Settings
-from proxy.testing.fake_ollama import (
+from tests.fakes.fake_ollama import (
     FakeModel,
     FakeOllama,
     FakeOllamaConfig,
     create_fake_ollama,
     fake_ollama_state,
 )
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.servers import serve_in_thread
 
 MODEL = "fake-smol"
 THINKER = "fake-think"

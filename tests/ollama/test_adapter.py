@@ -4,7 +4,7 @@ from the version and then from the fields responses carry, request preparation, 
 proxy picking the adapter and the session planner.
 
 Ollama cannot be installed here: "Ollama" is the recorded-format fake
-(``proxy.testing.fake_ollama``); "llama-server" is the fake llama-server, and once (marked
+(``tests.fakes.fake_ollama``); "llama-server" is the fake llama-server, and once (marked
 ``llama``) the real one built by the rig.
 """
 
@@ -30,9 +30,9 @@ from core.errors import UpstreamProtocolError
 from proxy.app import create_app
 from proxy.ollama import OllamaPlanner
 from proxy.settings import Settings
-from proxy.testing.fake_llama import FakeLlamaServer
-from proxy.testing.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama
-from proxy.testing.servers import free_port
+from tests.fakes.fake_llama import FakeLlamaServer
+from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama
+from tests.fakes.servers import free_port
 from tests.rig.llama_process import run_llama_server
 
 from .conftest import MODEL, fake_config

@@ -1,7 +1,7 @@
 """Tenant B attacks tenant A on an Ollama lane, through the tenant listener (issue 16).
 
 Ollama cannot be installed on these machines: the engine here is the fake
-(``proxy.testing.fake_ollama``), which replays Ollama's wire formats as recorded from its
+(``tests.fakes.fake_ollama``), which replays Ollama's wire formats as recorded from its
 documentation, source and third-party recordings. What is tested is the proxy's side:
 which paths a tenant reaches, and that every Ollama (whose cached prefixes are shared by
 all requests) serves one namespace unless the operator opts in with

@@ -4,7 +4,7 @@ to chat completions and the lane asks Ollama on its OpenAI-compatible ``/v1/chat
 the answer comes back as Anthropic's stream or message, with the session kept.
 
 Ollama cannot be installed here: the engine is the recorded-format fake
-(``proxy.testing.fake_ollama``), served in process behind prefixpin on a loopback port, and
+(``tests.fakes.fake_ollama``), served in process behind prefixpin on a loopback port, and
 the client is the real ``anthropic`` SDK.
 """
 

@@ -9,7 +9,7 @@ The bench clients build OpenAI-shaped requests (``/v1/chat/completions``); for
 tool results named by ``tool_name``, options for sampling.
 
 Ollama cannot be installed here: the engine is the recorded-format fake
-(``proxy.testing.fake_ollama``), whose prefix cache reports what llama-server under Ollama
+(``tests.fakes.fake_ollama``), whose prefix cache reports what llama-server under Ollama
 would reuse.
 """
 
@@ -30,7 +30,7 @@ from bench.clients.tools_reorder import ToolsReorderClient
 from bench.clients.volatile_system import VolatileSystemClient
 from bench.rewrite_check import observe
 from bench.transcript import Transcript, load_named
-from proxy.testing.fake_ollama import FakeModel
+from tests.fakes.fake_ollama import FakeModel
 
 from .conftest import MODELS, fake_config, proxy_rig
 

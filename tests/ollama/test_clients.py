@@ -3,7 +3,7 @@ uvicorn on a loopback port) in front of Ollama: chat streaming and not, generate
 loop, thinking, errors, and what each sees during a long prefill.
 
 Ollama cannot be installed here: the engine is the recorded-format fake
-(``proxy.testing.fake_ollama``). The long-prefill tests give both clients a read timeout
+(``tests.fakes.fake_ollama``). The long-prefill tests give both clients a read timeout
 shorter than the prefill: Ollama itself sends nothing at all until the first token (not
 even headers), so against it both time out; through prefixpin a *streaming* client gets
 headers at once and then a keep-alive every ``--heartbeat`` seconds (spaces before the
@@ -27,7 +27,7 @@ from openai.types.chat import (
     ChatCompletionToolParam,
 )
 
-from proxy.testing.fake_ollama import NEW_VERSION, OLD_VERSION, FakeOllamaConfig, Fault
+from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, FakeOllamaConfig, Fault
 
 from .conftest import MODEL, MODELS, REPLY, THINKER, Served, fake_config, served_fake, served_proxy
 

@@ -4,7 +4,7 @@ errors, keep-alive spaces, join in flight, figures measured or estimated (and la
 ``keep_alive`` passed through, model loads and unloads marking sessions cold.
 
 Ollama cannot be installed here: the engine is the recorded-format fake
-(``proxy.testing.fake_ollama``), reached in process.
+(``tests.fakes.fake_ollama``), reached in process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.testing.fake_ollama import OLD_VERSION, Fault, go_json
+from tests.fakes.fake_ollama import OLD_VERSION, Fault, go_json
 
 from .conftest import MODEL, REPLY, THINKER, fake_config, proxy_rig
 

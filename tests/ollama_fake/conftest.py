@@ -13,8 +13,8 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from proxy.testing.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
+from tests.fakes.servers import serve_in_thread
 
 MakeClient = Callable[[FakeOllamaConfig], Awaitable[tuple[Starlette, httpx.AsyncClient]]]
 Serve = Callable[[FakeOllamaConfig], tuple[Starlette, str]]

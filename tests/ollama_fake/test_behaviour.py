@@ -12,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from proxy.testing.fake_ollama import (
+from tests.fakes.fake_ollama import (
     NEW_VERSION,
     OLD_VERSION,
     FakeModel,

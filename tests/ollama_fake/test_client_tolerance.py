@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.servers import serve_in_thread
 
 CHUNK = {"model": "m", "created_at": "2026-10-03T14:11:00.866073504Z",
          "message": {"role": "assistant", "content": "Hi"}, "done": False}

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from proxy.testing.fake_ollama import NEW_VERSION, OLD_VERSION, Fault, fake_ollama_state
+from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, Fault, fake_ollama_state
 
 from .conftest import MODELS, Serve, make_config
 

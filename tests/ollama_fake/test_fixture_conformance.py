@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.testing.fake_ollama import NEW_VERSION, OLD_VERSION, Fault, fake_ollama_state
+from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, Fault, fake_ollama_state
 
 from .conftest import MakeClient, make_config
 from .wire import (

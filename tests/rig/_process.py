@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 __all__ = ["apt_install", "free_port", "kill_process", "log_tail", "stop_process"]
 

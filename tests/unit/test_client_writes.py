@@ -276,7 +276,7 @@ def test_a_client_reset_mid_stream_leaves_the_other_streams_whole() -> None:
 
     from proxy.client_writes import BODY_WRITER
     from proxy.http_limits import http_options
-    from proxy.testing.servers import serve_in_thread
+    from tests.fakes.servers import serve_in_thread
 
     chunks = 400
 

@@ -30,9 +30,9 @@ from proxy.codecs import codec_at, codec_for
 from proxy.codecs.llama_native import LlamaNativeCodec, fold, nested_values
 from proxy.engines import ENGINES
 from proxy.history import Committed, decide
-from proxy.testing.fake_llama import FakeLlamaServer
 from proxy.validation import ClientRequest, Endpoint, parse_llama_request
 from tests.app.conftest import running_proxy
+from tests.fakes.fake_llama import FakeLlamaServer
 
 Json = dict[str, Any]
 

@@ -15,7 +15,7 @@ import httpx
 
 from core.streaming import StreamResponse
 from proxy.http_limits import http_options
-from proxy.testing.servers import serve_in_thread
+from tests.fakes.servers import serve_in_thread
 
 
 class Recorder:

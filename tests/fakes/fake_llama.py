@@ -399,7 +399,7 @@ def _die() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m proxy.testing.fake_llama --port P [--reply-words N] [--slots N]
+    """``python -m tests.fakes.fake_llama --port P [--reply-words N] [--slots N]
     [--token-delay-ms MS] [--sequence]``: serve the fake."""
     import argparse
 

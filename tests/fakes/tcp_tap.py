@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from proxy.testing.servers import free_port
+from tests.fakes.servers import free_port
 
 
 @dataclass(slots=True)
