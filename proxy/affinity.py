@@ -214,6 +214,8 @@ class AffinityPlanner:
         elif plan.slot is not None:
             held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
             self.pool.record_tokens(plan.slot, session.id, held)
+            if self.anchorer is not None:
+                self.anchorer.turn_committed(plan.slot, session.id, held)
             if self.parking is not None:
                 self.parking.park_ahead(self.pool, plan.slot, session.id)
             elif self.anchorer is not None:

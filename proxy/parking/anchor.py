@@ -91,6 +91,18 @@ class Anchorer:
         self.log = logger
         self.session_of = session_of
         self._tasks: set[asyncio.Task[None]] = set()
+        # Slot -> (session, tokens) its last committed turn left there, not anchored since.
+        self._unanchored: dict[int, tuple[str, int]] = {}
+
+    def turn_committed(self, slot: int, session_id: str, tokens: int) -> None:
+        """A turn of ``session_id`` left ``tokens`` in ``slot`` (the commit's figure)."""
+        self._unanchored[slot] = (session_id, tokens)
+
+    def unanchored_turn(self, slot: int, session_id: str, tokens: int) -> bool:
+        """Whether ``slot`` holds just what the session's last committed turn left there:
+        anchoring it now renders that very history. Not after an anchor, and not when a
+        turn whose commit is still to come has changed the slot since (its tokens differ)."""
+        return self._unanchored.get(slot) == (session_id, tokens)
 
     async def anchor(self, slot: int, session_id: str) -> int | None:
         """Make the idle ``slot`` (held by the caller) hold its session's next request's
@@ -110,6 +122,7 @@ class Anchorer:
             log_event(self.log, logging.WARNING, "anchor failed", session=session_id,
                       slot=slot, error=exc.message)
             return None
+        self._unanchored.pop(slot, None)
         self.metrics.anchors.labels("anchored").inc()
         log_event(self.log, logging.INFO, "anchored", session=session_id, slot=slot,
                   tokens=held, ms=round((time.monotonic() - started) * 1000, 1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import secrets
@@ -177,6 +178,7 @@ class ParkManager:
             self._skipped(session, eviction.slot, "failed", f"park index: {exc}",
                           logging.WARNING)
             return None
+        eviction = await self._anchored(eviction)
         started = time.monotonic()
         filename = self.filenames()
         try:
@@ -230,6 +232,18 @@ class ParkManager:
         except self.index.errors as exc:
             log_event(self.log, logging.WARNING, "park budget not applied", error=str(exc))
         return record
+
+    async def _anchored(self, eviction: Eviction) -> Eviction:
+        """The slot anchored before it is saved, when its session's turn left it as
+        generated (recurrent/hybrid memory: the turn that evicts it came before the slot
+        idled): a few tokens on the evicting request's path, which the session's return
+        would otherwise pay with its whole prompt. The slot is the evicting lease's here."""
+        anchorer = self.anchorer
+        if anchorer is None or not anchorer.unanchored_turn(eviction.slot, eviction.session_id,
+                                                            eviction.tokens):
+            return eviction
+        held = await anchorer.anchor(eviction.slot, eviction.session_id)
+        return dataclasses.replace(eviction, tokens=held) if held is not None else eviction
 
     def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
         """After a session's turn, once its slot stays idle: on memory that cannot roll

@@ -153,3 +153,30 @@ async def test_a_warm_hybrid_slot_is_anchored_with_parking_off(
         assert cached >= first["prompt_tokens"], agent.usage
     else:
         assert cached < first["prompt_tokens"], agent.usage
+
+
+async def test_a_slot_evicted_before_it_idled_is_anchored_as_it_is_parked(
+        qwen35: LlamaServerProcess, park: Path) -> None:
+    """A and B alternate on one slot with no time between turns (a tool loop, a script):
+    no slot ever idles, so each is anchored when the other's request evicts it, just
+    before it is saved; every return is still a restore its request extends."""
+    config = Settings(upstream=qwen35.url, park_dir=park, park_ahead=False,
+                      park_index_dir=park.with_name("index"), park_min_tokens=32,
+                      health_interval_s=0.5)
+    apps = create_apps(config)
+    app = apps.tenant
+    agents = [Agent("A"), Agent("B")]
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        for step in (1, 2, 3):
+            for agent in agents:
+                await agent.turn(client, step)
+        restored = await metric(client, "prefixpin_restores_total", outcome="restored")
+        declined = await metric(client, "prefixpin_restores_total", outcome="diverged")
+        anchors = await metric(client, "prefixpin_anchors_total", outcome="anchored")
+    assert (restored, declined) == (4, 0)
+    assert anchors == 5  # every eviction: A's three, B's two
+    for agent in agents:
+        for before, after in itertools.pairwise(agent.usage):
+            assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"], \
+                agent.usage
