@@ -53,6 +53,7 @@ from proxy.service import ProxyService
 from proxy.sessions import SessionStore
 from proxy.settings import Settings
 from proxy.tenants import CREDENTIAL_HEADERS
+from proxy.validation import read_body
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -270,17 +271,24 @@ def _passthrough(holder: StateHolder, path: str | None, *,
     dropped = ("authorization",) if drop_authorization else ()
 
     async def handle(request: Request) -> Response:
-        router = holder.get().router
-        if path is not None and router.tenants.configured:
-            # A tenant's request: its key checked (401), and never sent on: the engine
-            # gets its own key (``operator``: prefixpin's credentials).
-            router.tenants.namespace_of(headers_of(request))
+        state = holder.get()
+        router = state.router
+        if path is None:  # the operator's: as it came
             lane = router.lane_for_passthrough()
-            return await forward(request, lane.service.backend.adapter.http, path=path,
-                                 drop_headers=CREDENTIAL_HEADERS, operator=True)
+            return await forward(request, lane.service.backend.adapter.http,
+                                 drop_headers=dropped, operator=True)
+        # A tenant's: with tenants configured its key checked first (401), and never sent
+        # on (the engine gets its own key: ``operator``, prefixpin's credentials); its
+        # body within --max-body, read before anything is sent on.
+        configured = router.tenants.configured
+        if configured:
+            router.tenants.namespace_of(headers_of(request))
+        content = await read_body(request.stream(), request.headers.get("content-length"),
+                                  state.settings.max_body_bytes)
         lane = router.lane_for_passthrough()
-        return await forward(request, lane.service.backend.adapter.http, path=path,
-                             drop_headers=dropped, operator=path is None)
+        return await forward(request, lane.service.backend.adapter.http, content, path=path,
+                             drop_headers=CREDENTIAL_HEADERS if configured else dropped,
+                             operator=configured)
 
     return handle
 

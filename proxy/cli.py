@@ -40,6 +40,12 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
     "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
+    "--max-connections": ("max_connections", int, "open connections per listener; past it "
+                          "a 503 and close (default 2048)"),
+    "--head-timeout": ("head_timeout_s", float, "seconds a request's line and headers may "
+                       "take from their first byte; then a 408 and close (default 30)"),
+    "--body-timeout": ("body_timeout_s", float, "seconds a request's body may take after "
+                       "its head; then a 408 and close (default 300)"),
     "--retry-grace": ("retry_grace_s", float, "seconds a generation outlives its clients "
                       "so a resend can join it (default 30)"),
     "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),

@@ -1,16 +1,25 @@
-"""The HTTP server's own limits: a bounded request head, and OpenAI-shaped errors for what
-uvicorn rejects before the app sees it.
+"""The HTTP server's own limits: a bounded request head, a bounded number of connections,
+deadlines for a request's head and body, and OpenAI-shaped errors for what uvicorn rejects
+before the app sees it.
 
 uvicorn's httptools parser buffers a request line and headers of any size (a header flood
 grows the process without bound), and answers unparsable requests with a plain-text 400.
 ``BoundedHttpToolsProtocol`` refuses a head over ``MAX_HEAD_BYTES`` with a 431 and gives
 both errors the body every OpenAI client can parse. Without httptools, uvicorn's h11
 protocol applies the same bound (``h11_max_incomplete_event_size``).
+
+uvicorn also keeps a connection that sends nothing, or a head or a body a byte at a time,
+for as long as the client likes (it times out only idle keep-alive connections between
+requests), and accepts any number of them. So each listener takes at most
+``ConnectionLimits.max_connections`` (past it, a 503 and close), a request's head must
+arrive within ``head_timeout_s`` of its first byte or of the connection's start, and its
+body within ``body_timeout_s`` of its head (a 408 and close otherwise).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from core import compiled_relay as relay_core
@@ -29,7 +38,15 @@ MAX_HEAD_BYTES = 64 * 1024
 LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and dropped
 
 
-def http_options(*, compiled_relay: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    max_connections: int = 2048  # per listener; each is a descriptor and a protocol object
+    head_timeout_s: float = 30.0  # request line and headers, from the first byte
+    body_timeout_s: float = 300.0  # the whole body, from the end of the head
+
+
+def http_options(*, compiled_relay: bool = False,
+                 limits: ConnectionLimits | None = None) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that put these limits in place, and no
     ``X-Forwarded-*`` rewriting of the client's address and scheme: nothing here reads
     either, and uvicorn's middleware for it is one more frame every streamed event's
@@ -38,7 +55,7 @@ def http_options(*, compiled_relay: bool = False) -> dict[str, Any]:
     ``RelayClient``."""
     try:
         return {"http": _bounded_httptools_protocol(
-            compiled_relay and relay_core.available()),
+            compiled_relay and relay_core.available(), limits or ConnectionLimits()),
                 "proxy_headers": False}
     except ImportError:
         return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
@@ -53,7 +70,7 @@ def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
     return head + body
 
 
-def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
+def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -68,6 +85,7 @@ def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
         _head_bytes = 0
         _tail = b""  # the last bytes of a head so far: its end may straddle two reads
         _refused = False
+        _deadline: Any = None  # the head's or the body's timer (asyncio.TimerHandle)
 
         def connection_made(self, transport: Any) -> None:
             cls = type(self)
@@ -75,10 +93,44 @@ def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
             if batch is None or batch.loop is not self.loop:
                 batch = cls._write_batch = WriteBatch(self.loop)
             super().connection_made(BatchedTransport(transport, batch))
+            if len(self.connections) > limits.max_connections:
+                self.logger.warning("connection refused: %d open on this listener",
+                                    limits.max_connections)
+                self._refuse(error_bytes(503, "Service Unavailable",
+                                         f"more than {limits.max_connections} connections "
+                                         "are open on this listener", "too_many_connections"),
+                             linger=False)
+                return
+            self._arm(limits.head_timeout_s, "request head")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self, seconds: float, what: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired, seconds, what)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self, seconds: float, what: str) -> None:
+            self._deadline = None
+            if self._refused or self.transport.is_closing():
+                return
+            self.logger.warning("%s not received within %.0f s: connection closed", what,
+                                seconds)
+            self._refuse(error_bytes(408, "Request Timeout",
+                                     f"{what} not received within {seconds:g} s",
+                                     "request_timeout"))
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # the answer is out; what the client still sends is dropped
+            if self._in_head and self._deadline is None:  # the next request's first bytes
+                self._arm(limits.head_timeout_s, "request head")
             if self._in_head:
                 # Counted before the parser sees the bytes, up to the end of the head only:
                 # a read may hold a whole request (head and a 150 kB body), or a head and
@@ -99,6 +151,7 @@ def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes, self._tail = False, 0, b""
+            self._arm(limits.body_timeout_s, "request body")
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
@@ -115,6 +168,7 @@ def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
             return current
 
         def on_message_complete(self) -> None:
+            self._disarm()  # between requests uvicorn's keep-alive timeout applies
             super().on_message_complete()
             # What follows on this connection is the next request head (bytes of it that
             # shared a read with this request's end are not counted: at most one read).
@@ -124,14 +178,15 @@ def _bounded_httptools_protocol(compiled_relay: bool) -> type[Any]:
             self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
                                      "invalid_http"))
 
-        def _refuse(self, response: bytes) -> None:
+        def _refuse(self, response: bytes, *, linger: bool = True) -> None:
             """Answer, then linger: keep reading (and dropping) what the client is still
             sending for a moment, so that closing does not reset the connection before
-            the client has read the answer."""
+            the client has read the answer (not when the point is to close at once)."""
             self._refused = True
+            self._disarm()
             self.transport.write(response)
             if self.transport.can_write_eof():
                 self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
+            self.loop.call_later(LINGER_S if linger else 0.0, self.transport.close)
 
     return BoundedHttpToolsProtocol

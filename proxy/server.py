@@ -20,7 +20,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from core import compiled_relay
 from proxy.app import create_apps
-from proxy.http_limits import http_options
+from proxy.http_limits import ConnectionLimits, http_options
 from proxy.interpreter import interpreter_build
 from proxy.logs import configure, get_logger, log_event
 from proxy.settings import Settings
@@ -54,15 +54,18 @@ def serve(settings: Settings) -> int:
         return 1
     apps = create_apps(settings)
     admin_host, admin_port = settings.admin_address()
+    limits = ConnectionLimits(settings.max_connections, settings.head_timeout_s,
+                              settings.body_timeout_s)
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
     operator = _Follower(uvicorn.Config(
         apps.operator_listener, host=admin_host, port=admin_port, log_level=settings.log_level,
-        access_log=False, timeout_graceful_shutdown=5, lifespan="off", **http_options()))
+        access_log=False, timeout_graceful_shutdown=5, lifespan="off",
+        **http_options(limits=limits)))
     tenant = _Leader(operator, uvicorn.Config(
         apps.tenant_listener, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, timeout_graceful_shutdown=5, lifespan="on",
-        **http_options(compiled_relay=settings.compiled_relay)))
+        **http_options(compiled_relay=settings.compiled_relay, limits=limits)))
     # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
     # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
     # traceback on the user's terminal.

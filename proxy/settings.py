@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
     heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # Each listener's connections, and the time a request's head and body may take
+    # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
+    max_connections: int = Field(2048, ge=1)
+    head_timeout_s: float = Field(30.0, gt=0)
+    body_timeout_s: float = Field(300.0, gt=0)
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: bool = Field(True, description="Relay token events in compiled code "
                              "(core._relay) where it is built")

@@ -4,6 +4,8 @@ only on the operator listener, behind --admin-token when one is set."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 
 from proxy.server import serve
@@ -136,3 +138,25 @@ async def test_slot_controls_are_dropped_when_pinned_too() -> None:
             assert response.status_code == 200, response.text
     assert engine.requests[0]["id_slot"] == engine.requests[1]["id_slot"]
     assert "cache_prompt" not in engine.requests[1]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_pass_through_body_over_max_body_is_a_413_and_never_sent(
+        chunked: bool) -> None:
+    """The tenant port's pass-through POSTs (tokenizer, template) take --max-body too,
+    declared or streamed in chunks."""
+    body = b'{"content": "' + b"x" * 4096 + b'"}'
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 512):
+            yield body[start:start + 512]
+
+    async with running_proxy(max_body_bytes=2048) as (client, engine):
+        before = len(engine.requests)
+        response = await client.post("/tokenize", content=chunks() if chunked else body,
+                                     headers={"content-type": "application/json"})
+        small = await client.post("/tokenize", json={"content": "hi"})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "payload_too_large"
+    assert small.status_code == 200
+    assert len(engine.requests) == before

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from proxy.http_limits import MAX_HEAD_BYTES, http_options
+from proxy.http_limits import LINGER_S, MAX_HEAD_BYTES, ConnectionLimits, http_options
 
 
 class Transport(asyncio.Transport):
@@ -136,3 +136,57 @@ async def test_a_head_over_the_limit_is_a_431_in_any_reads(piece: int, finished:
     answer = await exchange([raw[i:i + piece] for i in range(0, len(raw), piece)])
     assert status_of(answer) == 431, answer[:300]
     assert b"headers_too_large" in answer
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"])
+async def test_a_head_that_does_not_come_is_a_408(sent: bytes) -> None:
+    """A connection that sends nothing, or a head a little at a time (slowloris), is
+    answered 408 and closed at the head deadline."""
+    config = uvicorn.Config(body_length_app, log_level="warning",
+                            **http_options(limits=ConnectionLimits(head_timeout_s=0.2)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(sent)
+    await asyncio.sleep(0.4)
+    assert status_of(bytes(transport.out)) == 408
+    assert b"request_timeout" in transport.out
+    await asyncio.sleep(LINGER_S + 0.1)
+    assert transport.closed
+
+
+@pytest.mark.anyio
+async def test_a_body_that_does_not_come_is_a_408_and_a_quick_one_is_served() -> None:
+    config = uvicorn.Config(body_length_app, log_level="warning",
+                            **http_options(limits=ConnectionLimits(body_timeout_s=0.2)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    slow = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    slow.connection_made(transport)
+    slow.data_received(request(b"{}" * 50)[:-10])  # its last 10 bytes never come
+    await asyncio.sleep(0.4)
+    assert status_of(bytes(transport.out)) == 408
+    quick = await exchange([request(b"{}" * 50)])
+    assert status_of(quick) == 200
+
+
+@pytest.mark.anyio
+async def test_connections_past_the_limit_are_a_503_and_closed() -> None:
+    config = uvicorn.Config(body_length_app, log_level="warning",
+                            **http_options(limits=ConnectionLimits(max_connections=2)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    state = ServerState()
+    transports = []
+    for _ in range(3):
+        protocol = protocol_class(config=config, server_state=state, app_state={})
+        transports.append(Transport())
+        protocol.connection_made(transports[-1])
+    await asyncio.sleep(0.05)
+    assert [bytes(t.out) for t in transports[:2]] == [b"", b""]
+    assert status_of(bytes(transports[2].out)) == 503
+    assert transports[2].closed
