@@ -39,6 +39,12 @@ PUSHED_BODY = "prefixpin.pushed_body"  # the response extension holding a ``_Bod
 HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
+# The engine's response head, bounded: its bytes (an endless header line or header count
+# would grow the parser's buffers), the interim 1xx responses before it, and the time from
+# its first byte (the read timeout measures silence, and a trickle is never silent).
+MAX_HEAD_BYTES = 1 << 20
+MAX_INTERIM_RESPONSES = 8
+HEAD_WITHIN_S = 30.0
 
 
 def engine_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport | None:
@@ -182,6 +188,9 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._received = 0
         self._head_done = False
+        self._head_bytes = 0
+        self._head_started = 0.0  # loop time of the head's first byte; 0: none yet
+        self._interim = 0
         self._informational = False
         self._framed = False  # content-length or chunked: the body's end is known
         self.at_chunk_end = False  # the parser is between two chunks of a chunked body
@@ -226,6 +235,12 @@ class _Connection(asyncio.Protocol):
         while not self._head_done:
             if self.error is not None:
                 raise self.error
+            if self._head_started and self._loop.time() - self._head_started > HEAD_WITHIN_S:
+                slow = httpx.ReadTimeout(f"the engine's response head took over "
+                                         f"{HEAD_WITHIN_S:g} s from its first byte",
+                                         request=self._request_or_none())
+                self._fail(slow)
+                raise slow
             await self.wait(timeout_s)
 
     # ---------------------------------------------------------------- reading
@@ -305,6 +320,16 @@ class _Connection(asyncio.Protocol):
             self._broken()  # bytes nobody asked for: never reuse this connection
             return
         self._received += len(data)
+        if not self._head_done:
+            if not self._head_started:
+                self._head_started = self._loop.time()
+            self._head_bytes += len(data)  # a body read with the head's end counts: one read
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(httpx.RemoteProtocolError(
+                    f"the engine's response head is over {MAX_HEAD_BYTES} bytes",
+                    request=self._request_or_none()))
+                self._wake()
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -380,6 +405,11 @@ class _Connection(asyncio.Protocol):
             self._informational = True
             self.headers = []
             self.reason = b""
+            self._interim += 1
+            if self._interim > MAX_INTERIM_RESPONSES:
+                self._fail(httpx.RemoteProtocolError(
+                    f"the engine sent over {MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                    request=self._request_or_none()))
             return
         self.status = status
         self._head_done = True

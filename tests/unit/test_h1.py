@@ -12,7 +12,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from adapters._h1 import HIGH_WATER, H1Transport, engine_transport
+from adapters import _h1 as h1
+from adapters._h1 import (
+    HIGH_WATER,
+    MAX_HEAD_BYTES,
+    MAX_INTERIM_RESPONSES,
+    H1Transport,
+    engine_transport,
+)
 from adapters._http import EngineClient, pushed_body, send_with_stale_retry
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -518,3 +525,62 @@ def test_open_retries_a_stale_keep_alive_connection_once() -> None:
         assert len(peers) == 2  # the retry's connection
 
     asyncio.run(run())
+
+
+def refused_head(head_bytes: Callable[[asyncio.StreamWriter], Awaitable[None]]
+                 ) -> BaseException:
+    """What reading a response whose head ``head_bytes`` writes raises."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await head_bytes(writer)
+
+    async def run() -> BaseException:
+        async with server(handler) as (url, _), client(url, read=2.0) as http:
+            with pytest.raises(httpx.HTTPError) as caught:
+                await http.get("/v1/models")
+        return caught.value
+
+    return asyncio.run(run())
+
+
+def test_an_endless_header_value_is_refused_at_the_head_bound() -> None:
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-flood: ")
+        for _ in range(MAX_HEAD_BYTES // 65536 + 4):  # past the bound, a read at a time
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    error = refused_head(endless)
+    assert isinstance(error, httpx.RemoteProtocolError)
+    assert "head is over" in str(error)
+
+
+def test_endless_interim_responses_are_refused() -> None:
+    async def interim(writer: asyncio.StreamWriter) -> None:
+        for _ in range(MAX_INTERIM_RESPONSES + 5):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(5)
+
+    error = refused_head(interim)
+    assert isinstance(error, httpx.RemoteProtocolError)
+    assert "interim" in str(error)
+
+
+def test_a_head_that_trickles_in_is_a_read_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte every 0.1 s never lets the read timeout (2 s) fire; the head's own deadline
+    does."""
+    monkeypatch.setattr(h1, "HEAD_WITHIN_S", 0.5)
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-slow: ")
+        for _ in range(100):
+            writer.write(b"a")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    error = refused_head(trickle)
+    assert isinstance(error, httpx.ReadTimeout)
+    assert "response head took over" in str(error)
