@@ -52,11 +52,12 @@ from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
 from proxy.system_turns import has_mid_system, in_place
 from proxy.tenants import Tenants
-from proxy.validation import (
-    ClientRequest,
-    read_body,
-)
+from proxy.validation import ClientRequest, check_json_values, read_body
 from proxy.watch import EngineWatch, probe_until_ready
+
+# Bodies up to this size are parsed on the loop (a long agent history is ~150 kB: a few ms);
+# larger ones in a thread.
+PARSE_ON_LOOP_BYTES = 1 << 20
 
 
 class Router:
@@ -114,10 +115,16 @@ class Router:
         try:
             raw = await read_body(request.stream(), headers.get("content-length"),
                                   self.settings.max_body_bytes)
+            check_json_values(raw, self.settings.max_json_values)
             # The route's own path (``scope["path"]``: what ``request.url.path`` gives for
             # every route of the pipeline, without building the whole URL).
-            return raw, codec.parse(raw, request.scope["path"],
-                                    max_messages=self.settings.max_messages)
+            path = request.scope["path"]
+            if len(raw) <= PARSE_ON_LOOP_BYTES:
+                return raw, codec.parse(raw, path, max_messages=self.settings.max_messages)
+            # A large body's checks are Python code: in a thread, the loop keeps serving
+            # every other tenant between its bytecodes.
+            return raw, await asyncio.to_thread(codec.parse, raw, path,
+                                                max_messages=self.settings.max_messages)
         except ProxyError:
             self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
             raise

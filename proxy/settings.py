@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
     heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_json_values: int = Field(2_000_000, ge=1000, description="JSON values (separators) "
+                                 "a request body may hold; past it a 413 before parsing")
     # Each listener's connections, and the time a request's head and body may take
     # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: int = Field(2048, ge=1)

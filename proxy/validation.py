@@ -395,6 +395,22 @@ def optional_bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+class TooManyValuesError(PayloadTooLargeError):
+    code = "too_many_values"
+
+
+def check_json_values(raw: bytes, max_values: int) -> None:
+    """Refuse a body that may hold more than ``max_values`` JSON values, before it is
+    parsed: every value but the first follows a ``,`` or opens with ``[`` or ``{`` (a count
+    of bytes, C-fast; separators inside strings count too, so it errs towards refusing
+    only bodies far past any agent's). Parsing allocates per value, and tens of millions
+    of tiny ones (``[0,0,...]``) would take seconds and gigabytes."""
+    separators = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if separators > max_values:
+        raise TooManyValuesError(f"request body holds more than {max_values} JSON values "
+                                 "(--max-json-values)")
+
+
 def _too_large(max_bytes: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(f"request body exceeds the limit of {max_bytes} bytes "
                                 "(--max-body)")

@@ -45,3 +45,19 @@ async def test_a_namespace_over_its_queue_share_gets_a_429_and_others_still_queu
     assert refused.json()["error"]["code"] == "queue_full_namespace"
     assert int(refused.headers["retry-after"]) >= 1
     assert [a.status_code for a in answers] == [200, 200, 200]
+
+
+async def test_a_body_of_too_many_json_values_is_a_413_before_it_is_parsed() -> None:
+    """Millions of tiny values (``[0,0,...]``, ``{}``s) would take seconds and gigabytes to
+    parse: refused by their count; a large body of few values is parsed (in a thread)."""
+    flood = b'{"messages": [' + b"0," * 30_000 + b'0], "max_tokens": 2}'
+    history = [{"role": "user", "content": "x" * (2 << 20)}]  # 2 MiB in one value
+    async with running_proxy(max_json_values=10_000) as (client, engine):
+        refused = await client.post("/v1/chat/completions", content=flood,
+                                    headers={"content-type": "application/json"})
+        served = await client.post("/v1/chat/completions",
+                                   json={"messages": history, "max_tokens": 2})
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["error"]["code"] == "too_many_values"
+    assert served.status_code == 200, served.text
+    assert len(engine.requests) == 1
