@@ -37,6 +37,10 @@
 #define MAX_SIZE_LINE 16   /* hex digits of a chunk size (a 64-bit size, no extension) */
 #define MAX_PENDING 65536  /* undelimited event bytes before the stream is given back */
 #define MAX_EVENTS 512     /* ready sockets taken per epoll_wait */
+/* An engine's bytes read in one turn: an engine that writes faster than the relay copies
+ * would otherwise keep one run() reading (every other stream, and the loop, waiting) and
+ * its buffers growing. The rest is read next turn (epoll is level-triggered). */
+#define MAX_READ_PER_TURN (4 * READ_SIZE)
 
 typedef struct {
     char *p;
@@ -275,11 +279,13 @@ static void take_chunks(stream_t *s) {
     buf_consume(&s->raw, at);
 }
 
-/* Reads until a short read (one recv per event, mostly); the peer's end (EPOLLRDHUP,
- * EPOLLHUP, EPOLLERR in ``events``) gives the stream back after what is there. */
+/* Reads until a short read (one recv per event, mostly), or MAX_READ_PER_TURN; the
+ * peer's end (EPOLLRDHUP, EPOLLHUP, EPOLLERR in ``events``) gives the stream back after
+ * what is there. */
 static void read_engine(stream_t *s, uint32_t events) {
     char tmp[READ_SIZE];
     int ended = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+    size_t taken = 0;
     for (;;) {
         ssize_t r = recv(s->engine_fd, tmp, sizeof tmp, MSG_DONTWAIT);
         if (r > 0) {
@@ -288,7 +294,12 @@ static void read_engine(stream_t *s, uint32_t events) {
                 s->done = 1;
                 return;
             }
+            taken += (size_t)r;
             if ((size_t)r < sizeof tmp) break;
+            if (taken >= MAX_READ_PER_TURN) {
+                ended = 0; /* more is there: its end, if it came, is seen next turn */
+                break;
+            }
             continue;
         }
         if (r == 0) {
@@ -357,9 +368,10 @@ static void unlink_stream(Relay *relay, stream_t *s) {
     s->prev = s->next = NULL;
 }
 
-/* (token, relayed, count, engine_bytes, unsent, last_read, last_write); frees the stream. */
-static PyObject *give_back(Relay *relay, stream_t *s) {
-    unlink_stream(relay, s);
+/* (token, relayed, count, engine_bytes, unsent, last_read, last_write), or NULL with an
+ * exception; the stream stays adopted either way (``release`` frees it once the tuple is
+ * in Python's hands: a stream is never freed without being handed back). */
+static PyObject *handing(stream_t *s) {
     PyObject *engine;
     if (s->sse.len) {
         char size_line[24];
@@ -383,8 +395,12 @@ static PyObject *give_back(Relay *relay, stream_t *s) {
                              s->out.p ? s->out.p : "", (Py_ssize_t)s->out.len, s->last_read,
                              s->last_write);
     }
-    stream_free(s);
     return item;
+}
+
+static void release(Relay *relay, stream_t *s) {
+    unlink_stream(relay, s);
+    stream_free(s);
 }
 
 static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -501,13 +517,16 @@ static PyObject *Relay_run(Relay *self, PyObject *unused) {
         s->queued = 0;
         if (s->out.len) write_client(self, s);
         if (!s->done) continue;
-        PyObject *item = give_back(self, s);
+        PyObject *item = handing(s);
         if (item == NULL || PyList_Append(back, item) < 0) {
-            /* The rest are still given back at their next read, or by reclaim(). */
+            /* This stream and the rest stay adopted: given back at their next read, or by
+             * reclaim() (the heartbeat's), never lost. */
             Py_XDECREF(item);
+            for (stream_t *rest = next; rest != NULL; rest = rest->ready) rest->queued = 0;
             Py_DECREF(back);
             return NULL;
         }
+        release(self, s);
         Py_DECREF(item);
     }
     return back;
@@ -515,7 +534,11 @@ static PyObject *Relay_run(Relay *self, PyObject *unused) {
 
 static PyObject *Relay_reclaim(Relay *self, PyObject *token) {
     for (stream_t *s = self->streams; s != NULL; s = s->next) {
-        if (s->token == token) return give_back(self, s);
+        if (s->token == token) {
+            PyObject *item = handing(s);
+            if (item != NULL) release(self, s);
+            return item;
+        }
     }
     Py_RETURN_NONE;
 }

@@ -324,3 +324,27 @@ def test_a_tail_whose_digits_moved_on_is_still_the_shape(pair: Pair) -> None:
         ((_, relayed, count, engine, _, _, _),) = pair.run()
         assert (count, engine) == (1 if relayed else 0, chunk(other))
         pair.adopt()
+
+
+def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
+    """An engine with megabytes ready does not hold one run() (every other stream, and
+    the loop) until it is read dry: a turn reads at most a few reads' worth, and the next
+    turns go on where it stopped, every byte in order."""
+    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.adopt()
+    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(6000))  # ~1.4 MB
+    pair.engine_peer.setblocking(False)
+    sent = pair.engine_peer.send(wire)
+    assert sent == len(wire)  # ready at once
+    assert pair.run() == []
+    first = pair.received()
+    assert 0 < len(first) <= 320_000  # one turn's reads, chunk-framed again
+    received = first
+    for _ in range(100):
+        assert pair.run() == []
+        received += pair.received()
+        if len(received) == sent:
+            break
+    assert received == wire
