@@ -667,6 +667,11 @@ def _rollback(obs: Observations) -> Finding:
         f"slot reused {'them' if probed else 'none of them'}")
     swa_evidence = _flag_evidence(obs, "swa_full")
     fix = "add --swa-full (costs VRAM: the sliding-window layers then keep the whole context)"
+    if (full_kv := _slot_kv_mib(obs)) is not None and obs.slot_ctx is not None:
+        fix = ("add --swa-full: the sliding-window layers then keep the whole context, so "
+               f"each slot's KV cache grows to at most {full_kv:.0f} MiB (every layer at "
+               f"{obs.slot_ctx} tokens), in exchange for reusing any shared prefix and "
+               "restoring parked sessions")
     if model is not None and model.recurrent:
         return Finding("checkpoints", "ok" if probed else "warning", "-cms",
                        f"{model.architecture} has recurrent layers: an edited history falls "

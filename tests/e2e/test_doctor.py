@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -153,6 +154,9 @@ def test_gemma3_needs_swa_full(capsys: pytest.CaptureFixture[str]) -> None:
         assert "--swa-full" in report["recommended_command"]
     assert "reused none of them" in by_key(remote)["swa-full"]["evidence"]
     assert "command line" in by_key(local)["swa-full"]["evidence"]
+    # what --swa-full costs, for the model loaded (its GGUF read here)
+    assert re.search(r"grows to at most \d+ MiB", by_key(local)["swa-full"]["fix"]), \
+        by_key(local)["swa-full"]
 
     with llama_server("gemma3", [*GOOD_FLAGS, "--swa-full"]) as llama:
         code, report = doctor(capsys, llama.url, "--no-local", *SMALL)
