@@ -228,6 +228,10 @@ static void take_events(stream_t *s) {
      * back, or the start of one not whole yet). */
     buf_consume(&s->sse, at);
     if (!s->done && s->sse.len > MAX_PENDING) s->done = 1;
+    /* A token event never holds a carriage return (JSON escapes it): one in what waits is
+     * an event this lane does not take (CRLF line ends, say), given back now rather than
+     * when MAX_PENDING bytes have piled up behind it. */
+    if (!s->done && s->sse.len && memchr(s->sse.p, '\r', s->sse.len) != NULL) s->done = 1;
 }
 
 /* Whole chunks from s->raw into s->sse, their events into s->out, until done or short. */

@@ -348,3 +348,14 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
         if len(received) == sent:
             break
     assert received == wire
+
+
+def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
+    """An engine that switches to CRLF event endings after the relay took its stream: the
+    event is given back at once, not after 64 KiB pile up behind it."""
+    pair.adopt()
+    crlf = token("y").replace(b"\n\n", b"\r\n\r\n")
+    pair.send(chunk(token("x")) + chunk(crlf))
+    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    assert (relayed, count) == (token("x"), 1)
+    assert engine == chunk(crlf)
