@@ -104,6 +104,7 @@ class ProxyApps:
     tenant: Starlette  # --port: what tenants may reach; its lifespan owns the router
     operator: Starlette  # --admin-listen: the views and every engine path
     holder: StateHolder
+    metrics: Metrics  # the server's own bounds count their refusals here too
 
     @property
     def tenant_listener(self) -> ASGIApp:
@@ -152,7 +153,7 @@ def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | Non
     ]
     tenant = Starlette(routes=routes, lifespan=lifespan,
                        exception_handlers={ProxyError: _proxy_error, Exception: _unexpected})
-    return ProxyApps(tenant, operator, holder)
+    return ProxyApps(tenant, operator, holder, metrics)
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,

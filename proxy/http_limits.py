@@ -19,6 +19,7 @@ body within ``body_timeout_s`` of its head (a 408 and close otherwise).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,9 @@ class ConnectionLimits:
     max_connections: int = 2048  # per listener; each is a descriptor and a protocol object
     head_timeout_s: float = 30.0  # request line and headers, from the first byte
     body_timeout_s: float = 300.0  # the whole body, from the end of the head
+    # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size):
+    # the metrics'.
+    refused: Callable[[str], None] | None = None
 
 
 def http_options(*, compiled_relay: bool = False,
@@ -100,23 +104,28 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                                          f"more than {limits.max_connections} connections "
                                          "are open on this listener", "too_many_connections"),
                              linger=False)
+                self._count("connections")
                 return
-            self._arm(limits.head_timeout_s, "request head")
+            self._arm(limits.head_timeout_s, "request head", "head_timeout")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self, seconds: float, what: str) -> None:
+        def _arm(self, seconds: float, what: str, limit: str) -> None:
             self._disarm()
-            self._deadline = self.loop.call_later(seconds, self._expired, seconds, what)
+            self._deadline = self.loop.call_later(seconds, self._expired, seconds, what, limit)
+
+        def _count(self, limit: str) -> None:
+            if limits.refused is not None:
+                limits.refused(limit)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
 
-        def _expired(self, seconds: float, what: str) -> None:
+        def _expired(self, seconds: float, what: str, limit: str) -> None:
             self._deadline = None
             if self._refused or self.transport.is_closing():
                 return
@@ -125,12 +134,13 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             self._refuse(error_bytes(408, "Request Timeout",
                                      f"{what} not received within {seconds:g} s",
                                      "request_timeout"))
+            self._count(limit)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # the answer is out; what the client still sends is dropped
             if self._in_head and self._deadline is None:  # the next request's first bytes
-                self._arm(limits.head_timeout_s, "request head")
+                self._arm(limits.head_timeout_s, "request head", "head_timeout")
             if self._in_head:
                 # Counted before the parser sees the bytes, up to the end of the head only:
                 # a read may hold a whole request (head and a 150 kB body), or a head and
@@ -146,12 +156,13 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                         431, "Request Header Fields Too Large",
                         f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
                         "headers_too_large"))
+                    self._count("head_size")
                     return
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes, self._tail = False, 0, b""
-            self._arm(limits.body_timeout_s, "request body")
+            self._arm(limits.body_timeout_s, "request body", "body_timeout")
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)

@@ -121,6 +121,10 @@ class Metrics:
         self.anchors = Counter("prefixpin_anchors", "Slots made to hold their session's next "
                                "request's opening before parking (recurrent/hybrid memory), "
                                "by outcome", ["outcome"], registry=r)
+        self.limit_refusals = Counter("prefixpin_limit_refusals", "Connections and requests "
+                                      "refused at a bound (connections, head_timeout, "
+                                      "body_timeout, head_size, body_size, json_values)",
+                                      ["limit"], registry=r)
         self.openings = Counter("prefixpin_openings", "New sessions' openings (system prompt "
                                 "and tools) saved for their namespace's next sessions or "
                                 "restored into a new session's slot, by outcome", ["outcome"],

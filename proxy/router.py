@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from adapters.base import Adapter, EngineInfo
 from core.cpu import crash_advice
-from core.errors import ProxyError, UpstreamError
+from core.errors import PayloadTooLargeError, ProxyError, UpstreamError
 from proxy.affinity import planned_body
 from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
 from proxy.codecs import Codec
@@ -52,7 +52,12 @@ from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
 from proxy.system_turns import has_mid_system, in_place
 from proxy.tenants import Tenants
-from proxy.validation import ClientRequest, check_json_values, read_body
+from proxy.validation import (
+    ClientRequest,
+    TooManyValuesError,
+    check_json_values,
+    read_body,
+)
 from proxy.watch import EngineWatch, probe_until_ready
 
 # Bodies up to this size are parsed on the loop (a long agent history is ~150 kB: a few ms);
@@ -125,8 +130,11 @@ class Router:
             # every other tenant between its bytecodes.
             return raw, await asyncio.to_thread(codec.parse, raw, path,
                                                 max_messages=self.settings.max_messages)
-        except ProxyError:
+        except ProxyError as exc:
             self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
+            if isinstance(exc, PayloadTooLargeError):
+                self.metrics.limit_refusals.labels(
+                    "json_values" if isinstance(exc, TooManyValuesError) else "body_size").inc()
             raise
 
     async def _serve(self, request: Request, headers: Mapping[str, str], namespace: str,

@@ -54,8 +54,10 @@ def serve(settings: Settings) -> int:
         return 1
     apps = create_apps(settings)
     admin_host, admin_port = settings.admin_address()
+    metrics = apps.metrics
     limits = ConnectionLimits(settings.max_connections, settings.head_timeout_s,
-                              settings.body_timeout_s)
+                              settings.body_timeout_s,
+                              refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
     operator = _Follower(uvicorn.Config(

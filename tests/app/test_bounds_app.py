@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.app.conftest import running_proxy
+from tests.app.test_parking import metric
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio
@@ -57,6 +58,8 @@ async def test_a_body_of_too_many_json_values_is_a_413_before_it_is_parsed() -> 
                                     headers={"content-type": "application/json"})
         served = await client.post("/v1/chat/completions",
                                    json={"messages": history, "max_tokens": 2})
+        counted = await metric(client, "prefixpin_limit_refusals_total", limit="json_values")
+    assert counted == 1
     assert refused.status_code == 413, refused.text
     assert refused.json()["error"]["code"] == "too_many_values"
     assert served.status_code == 200, served.text

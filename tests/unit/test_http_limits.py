@@ -143,8 +143,9 @@ async def test_a_head_over_the_limit_is_a_431_in_any_reads(piece: int, finished:
 async def test_a_head_that_does_not_come_is_a_408(sent: bytes) -> None:
     """A connection that sends nothing, or a head a little at a time (slowloris), is
     answered 408 and closed at the head deadline."""
-    config = uvicorn.Config(body_length_app, log_level="warning",
-                            **http_options(limits=ConnectionLimits(head_timeout_s=0.2)))
+    seen: list[str] = []
+    config = uvicorn.Config(body_length_app, log_level="warning", **http_options(
+        limits=ConnectionLimits(head_timeout_s=0.2, refused=seen.append)))
     config.load()
     protocol_class: Any = config.http_protocol_class
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
@@ -154,6 +155,7 @@ async def test_a_head_that_does_not_come_is_a_408(sent: bytes) -> None:
     await asyncio.sleep(0.4)
     assert status_of(bytes(transport.out)) == 408
     assert b"request_timeout" in transport.out
+    assert seen == ["head_timeout"]  # counted once, by its limit (the metric's label)
     await asyncio.sleep(LINGER_S + 0.1)
     assert transport.closed
 
@@ -176,8 +178,9 @@ async def test_a_body_that_does_not_come_is_a_408_and_a_quick_one_is_served() ->
 
 @pytest.mark.anyio
 async def test_connections_past_the_limit_are_a_503_and_closed() -> None:
-    config = uvicorn.Config(body_length_app, log_level="warning",
-                            **http_options(limits=ConnectionLimits(max_connections=2)))
+    seen: list[str] = []
+    config = uvicorn.Config(body_length_app, log_level="warning", **http_options(
+        limits=ConnectionLimits(max_connections=2, refused=seen.append)))
     config.load()
     protocol_class: Any = config.http_protocol_class
     state = ServerState()
@@ -190,3 +193,4 @@ async def test_connections_past_the_limit_are_a_503_and_closed() -> None:
     assert [bytes(t.out) for t in transports[:2]] == [b"", b""]
     assert status_of(bytes(transports[2].out)) == 503
     assert transports[2].closed
+    assert seen == ["connections"]
