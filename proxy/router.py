@@ -155,7 +155,7 @@ class Router:
         if lane.mid_system_in_place and has_mid_system(client.body.get("messages")):
             client = dataclasses.replace(
                 client, body={**client.body, "messages": in_place(client.body["messages"])})
-        incoming = Incoming(client, headers, namespace, placement, moved)
+        incoming = Incoming.of(client, headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:

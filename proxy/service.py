@@ -79,18 +79,21 @@ class Incoming:
     client: ClientRequest
     headers: Mapping[str, str]
     namespace: str
-    placement: str | None = None  # the router's reason, when it chose among lanes
-    moved: bool = False  # the session's home lane was down or overloaded: it moved
     # The session the request names (``proxy.identity``), read once for the whole path
     # (the in-flight key, the planner).
-    identity: ExplicitIdentity | None = field(init=False, default=None, compare=False)
+    identity: ExplicitIdentity | None
     # The digests of the body's messages (``proxy.history.digest``), computed once: the
     # in-flight key, the planner's bytes-decide and the commit all read them.
-    digests: list[bytes] = field(init=False, default_factory=list, compare=False)
+    digests: list[bytes] = field(compare=False)
+    placement: str | None = None  # the router's reason, when it chose among lanes
+    moved: bool = False  # the session's home lane was down or overloaded: it moved
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "identity", explicit_identity(self.client.body, self.headers))
-        object.__setattr__(self, "digests", _message_digests(self.client.body))
+    @classmethod
+    def of(cls, client: ClientRequest, headers: Mapping[str, str], namespace: str,
+           placement: str | None = None, moved: bool = False) -> Incoming:
+        """The request with what every planner reads of it computed once."""
+        return cls(client, headers, namespace, explicit_identity(client.body, headers),
+                   _message_digests(client.body), placement, moved)
 
 
 @dataclass(slots=True)

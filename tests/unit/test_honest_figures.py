@@ -325,7 +325,7 @@ async def _run_planner(repair: bool, turns: list[tuple[str | None, tuple[
             client = parse_request(json.dumps({"messages": messages}).encode(), "chat",
                                    "/v1/chat/completions", max_messages=100)
             before = {s.id: s.committed for s in store}
-            plan = await planner.plan(Incoming(client, headers, ANONYMOUS),
+            plan = await planner.plan(Incoming.of(client, headers, ANONYMOUS),
                                       backend)
             session = store.get(plan.session or "")
             assert session is not None
