@@ -30,7 +30,7 @@ from core.compiled_relay import GivenBack
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect
 from proxy.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
-from proxy.codecs import Codec, codec_of
+from proxy.codecs import Codec
 from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
 from proxy.generation import Generation, Subscriber
 from proxy.validation import ClientRequest
@@ -46,13 +46,13 @@ BATCH_FRAMES = 256
 TIMER_SLACK_S = 0.001
 
 
-async def respond(request: Request, client: ClientRequest, generation: Generation, *,
-                  arrival: float, first_byte_s: float, heartbeat_s: float,
-                  on_heartbeat: Callable[[], None], fill_cached: bool = True) -> Response:
+async def respond(request: Request, client: ClientRequest, codec: Codec,
+                  generation: Generation, *, arrival: float, first_byte_s: float,
+                  heartbeat_s: float, on_heartbeat: Callable[[], None],
+                  fill_cached: bool = True) -> Response:
     """``fill_cached``: the engine measures cached tokens, so a usage the engine left
     without them may be completed from its other fields; otherwise nothing is added (an
     estimate is never presented to a client as measured)."""
-    codec = codec_of(client)
     subscriber = generation.subscribe()
     try:
         if client.stream:

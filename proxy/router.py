@@ -103,7 +103,7 @@ class Router:
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
                 return await lifecycle(lane.service.backend.adapter.http, lane.models,
                                        request, client, raw)
-            return await self._serve(request, headers, namespace, client, lanes)
+            return await self._serve(request, headers, namespace, client, codec, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)
 
@@ -138,7 +138,7 @@ class Router:
             raise
 
     async def _serve(self, request: Request, headers: Mapping[str, str], namespace: str,
-                     client: ClientRequest, lanes: list[Lane]) -> Response:
+                     client: ClientRequest, codec: Codec, lanes: list[Lane]) -> Response:
         try:
             lanes = self._lanes_for(namespace, client, lanes)
             placement, moved = None, False
@@ -155,7 +155,7 @@ class Router:
         if lane.mid_system_in_place and has_mid_system(client.body.get("messages")):
             client = dataclasses.replace(
                 client, body={**client.body, "messages": in_place(client.body["messages"])})
-        incoming = Incoming.of(client, headers, namespace, placement, moved)
+        incoming = Incoming.of(client, codec, headers, namespace, placement, moved)
         return await lane.service.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:

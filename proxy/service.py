@@ -32,7 +32,7 @@ from core.errors import (
 )
 from core.figures import Figures, figures_from
 from fingerprint import Chain
-from proxy.codecs import codec_of
+from proxy.codecs import Codec
 from proxy.generation import Generation
 from proxy.history import Shape, digest
 from proxy.identity import ExplicitIdentity, explicit_identity
@@ -77,6 +77,7 @@ class Incoming:
     its tenant namespace and, when the router weighed several lanes, why it chose this one."""
 
     client: ClientRequest
+    codec: Codec  # its wire format's (the route's): parses, answers, and keys the join
     headers: Mapping[str, str]
     namespace: str
     # The session the request names (``proxy.identity``), read once for the whole path
@@ -89,10 +90,10 @@ class Incoming:
     moved: bool = False  # the session's home lane was down or overloaded: it moved
 
     @classmethod
-    def of(cls, client: ClientRequest, headers: Mapping[str, str], namespace: str,
-           placement: str | None = None, moved: bool = False) -> Incoming:
+    def of(cls, client: ClientRequest, codec: Codec, headers: Mapping[str, str],
+           namespace: str, placement: str | None = None, moved: bool = False) -> Incoming:
         """The request with what every planner reads of it computed once."""
-        return cls(client, headers, namespace, explicit_identity(client.body, headers),
+        return cls(client, codec, headers, namespace, explicit_identity(client.body, headers),
                    _message_digests(client.body), placement, moved)
 
 
@@ -217,12 +218,12 @@ class ProxyService:
         """One parsed request (the router read and parsed it) through plan, generation and
         relay; ``request`` is only the client connection the answer goes to."""
         arrival = time.monotonic()
-        client = incoming.client
+        client, codec = incoming.client, incoming.codec
         try:
             key = request_key(incoming)
             claimed = await self.inflight.claim(key, JoinIntent.of(incoming.headers))
             if isinstance(claimed, Generation):
-                return await self._join(request, client, claimed, arrival)
+                return await self._join(request, client, codec, claimed, arrival)
             reservation = claimed
             try:
                 with token_scope(incoming.namespace):  # token counts cached per tenant
@@ -235,25 +236,25 @@ class ProxyService:
             raise
         plan.headers = {**_forwarded_headers(incoming.headers, self.backend.engine_credentials),
                         **plan.headers}
-        generation = self._start(plan, client, arrival, incoming.namespace)
+        generation = self._start(plan, client, codec, arrival, incoming.namespace)
         self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
         return await respond(
-            request, client, generation, arrival=arrival,
+            request, client, codec, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
             heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
             fill_cached=self.backend.adapter.capabilities.measured_cache,
         )
 
-    async def _join(self, request: Request, client: ClientRequest, generation: Generation,
-                    arrival: float) -> Response:
+    async def _join(self, request: Request, client: ClientRequest, codec: Codec,
+                    generation: Generation, arrival: float) -> Response:
         """Attach to the identical generation already running: no second engine request."""
         self.metrics.joins.labels(client.endpoint, client.api).inc()
         log_event(self.log, logging.INFO, "joined in flight", api=client.api,
                   endpoint=client.endpoint,
                   stream=client.stream, frames_so_far=len(generation.frames))
         return await respond(
-            request, client, generation, arrival=arrival,
+            request, client, codec, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
             heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
             fill_cached=self.backend.adapter.capabilities.measured_cache,
@@ -266,7 +267,7 @@ class ProxyService:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
-    def _start(self, plan: Plan, client: ClientRequest, arrival: float,
+    def _start(self, plan: Plan, client: ClientRequest, codec: Codec, arrival: float,
                namespace: str) -> Generation:
         def finished(generation: Generation) -> None:
             self.generations.discard(generation)
@@ -274,7 +275,7 @@ class ProxyService:
 
         generation = Generation(
             lambda g: self._open(plan, g, namespace), grace_s=self.settings.retry_grace_s,
-            on_settled=lambda g: self._record(plan, client, g, arrival))
+            on_settled=lambda g: self._record(plan, client, codec, g, arrival))
         generation.on_done(finished)
         self.generations.add(generation)
         self.metrics.inflight.set(len(self.generations))
@@ -313,8 +314,8 @@ class ProxyService:
                 async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
                     yield upstream
 
-    def _record(self, plan: Plan, client: ClientRequest, generation: Generation,
-                arrival: float) -> None:
+    def _record(self, plan: Plan, client: ClientRequest, codec: Codec,
+                generation: Generation, arrival: float) -> None:
         """Figures go to the metrics at once; the log line waits for the slot to be known."""
         figures = figures_from(generation.frames, generation.progress)
         outcome = _generation_outcome(generation)
@@ -334,7 +335,7 @@ class ProxyService:
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint, client.api).observe(ttft)
-        reply = codec_of(client).reply(generation.frames) if outcome == "ok" else None
+        reply = codec.reply(generation.frames) if outcome == "ok" else None
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
                                           round(ttft * 1000, 1) if ttft is not None else None,
                                           reply))
@@ -431,7 +432,7 @@ def request_key(incoming: Incoming) -> bytes:
     client = incoming.client
     identity = incoming.identity
     session = None if identity is None else f"{identity.key}\0{identity.parent or ''}"
-    return inflight_key(incoming.namespace, codec_of(client).name, client.path, session,
+    return inflight_key(incoming.namespace, incoming.codec.name, client.path, session,
                         client.body, incoming.digests)
 
 

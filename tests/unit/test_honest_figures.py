@@ -30,6 +30,7 @@ from adapters.base import Capabilities, Frame, FrameKind, Progress
 from core.figures import Figures, figures_from, with_cached_tokens
 from proxy.affinity import AffinityPlanner
 from proxy.aggregate import aggregate
+from proxy.codecs import codec_of
 from proxy.generation import Generation
 from proxy.history import Committed, canonical, decide, digest
 from proxy.metrics import Metrics
@@ -325,7 +326,7 @@ async def _run_planner(repair: bool, turns: list[tuple[str | None, tuple[
             client = parse_request(json.dumps({"messages": messages}).encode(), "chat",
                                    "/v1/chat/completions", max_messages=100)
             before = {s.id: s.committed for s in store}
-            plan = await planner.plan(Incoming.of(client, headers, ANONYMOUS),
+            plan = await planner.plan(Incoming.of(client, codec_of(client), headers, ANONYMOUS),
                                       backend)
             session = store.get(plan.session or "")
             assert session is not None
