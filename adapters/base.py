@@ -97,7 +97,7 @@ class UpstreamStream(Protocol):
 class PushingStream(UpstreamStream, Protocol):
     """A stream that can push its frames (``push_frames``): each read's frames handed to the
     sink from the engine connection's read itself, not one task wake-up per read
-    (``adapters._http.push_decoded_frames``). ``aiter_frames`` reads the same frames.
+    (``adapters.http.push_decoded_frames``). ``aiter_frames`` reads the same frames.
     ``pusher_of`` finds the method (a runtime protocol check costs ~10 us a request)."""
 
     async def push_frames(self, sink: FrameSink) -> None:

@@ -7,7 +7,7 @@ first event arrive when the slot starts the prompt, before prefill, with the cac
 ``--slot-save-path``; ``/metrics`` carries ``Process-Start-Time-Unix``. Its native
 completion API (``/completion``, ``/completions``, ``/infill``) streams its own events, not
 OpenAI chunks, and ends with a ``"stop": true`` event instead of ``[DONE]``
-(``adapters._llama_native``): the stream's classifier is chosen by the request's path.
+(``adapters.llama_native``): the stream's classifier is chosen by the request's path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ from typing import Any
 
 import httpx
 
-from adapters._http import (
+from adapters.base import (
+    Capabilities,
+    EngineInfo,
+    Frame,
+    FrameSink,
+    SlotFileResult,
+    SlotState,
+    UpstreamCall,
+)
+from adapters.http import (
     EngineClient,
     decoded_frames,
     encode_json,
@@ -29,17 +38,8 @@ from adapters._http import (
     push_decoded_frames,
     send_with_stale_retry,
 )
-from adapters._llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
-from adapters._openai_sse import SameShapeTokens, classify
-from adapters.base import (
-    Capabilities,
-    EngineInfo,
-    Frame,
-    FrameSink,
-    SlotFileResult,
-    SlotState,
-    UpstreamCall,
-)
+from adapters.llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
+from adapters.openai_sse import SameShapeTokens, classify
 from core.errors import UpstreamError
 from core.sse import SSEDecoder, SSEEvent
 
@@ -199,8 +199,8 @@ class LlamaServerAdapter:
 
 
 class _LlamaStream:
-    """``classify``: OpenAI's events (``adapters._openai_sse``) or, on the native paths,
-    llama-server's own (``adapters._llama_native``), as the request's path says."""
+    """``classify``: OpenAI's events (``adapters.openai_sse``) or, on the native paths,
+    llama-server's own (``adapters.llama_native``), as the request's path says."""
 
     def __init__(self, response: httpx.Response, what: str,
                  classify: Callable[[SSEEvent], Frame] = classify) -> None:

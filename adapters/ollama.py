@@ -26,15 +26,6 @@ from typing import Any, Literal
 
 import httpx
 
-from adapters._http import (
-    decoded_frames,
-    encode_json,
-    expect_media_type,
-    map_httpx_errors,
-    push_decoded_frames,
-    send_with_stale_retry,
-)
-from adapters._openai_sse import classify as classify_sse
 from adapters.base import (
     Capabilities,
     EngineInfo,
@@ -45,6 +36,15 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
+from adapters.http import (
+    decoded_frames,
+    encode_json,
+    expect_media_type,
+    map_httpx_errors,
+    push_decoded_frames,
+    send_with_stale_retry,
+)
+from adapters.openai_sse import classify as classify_sse
 from core.errors import UpstreamError, UpstreamProtocolError
 from core.ndjson import Line, NDJSONDecoder
 from core.sse import SSEDecoder

@@ -1,6 +1,6 @@
 """The relay's per-event Python alone, without sockets (issue 18): CPU µs per event.
 
-Each of ``--streams`` streams is the real engine connection (``adapters._h1``) with a null
+Each of ``--streams`` streams is the real engine connection (``adapters.h1``) with a null
 transport, its response pushed through llama-server's stream, a ``Generation`` and a
 client's ``LiveStream`` writing through uvicorn's real ``send`` into a null transport. The
 loop feeds every stream's connection one chunked token event at a time, as the engine's
@@ -69,7 +69,7 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-    from adapters._h1 import PUSHED_BODY, H1Transport, _Body, _Connection
+    from adapters.h1 import PUSHED_BODY, H1Transport, _Body, _Connection
     from adapters.llama_server import _LlamaStream
     from proxy.codecs import codec_of
     from proxy.generation import Generation

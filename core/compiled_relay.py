@@ -4,7 +4,7 @@ Per event, the Python relay runs the loop's read callback, the HTTP parser's, th
 decoder, the frame, the generation's log and the client's write; with all of the Python of
 that bypassed the proxy still cost 2.8x the load bench's fake per event: the loop's own
 callbacks and its socket calls were the rest (``bench/results/load/versus/CEILING.md``).
-Once a stream's token events have a learned shape (``adapters._openai_sse.SameShapeTokens``)
+Once a stream's token events have a learned shape (``adapters.openai_sse.SameShapeTokens``)
 and one client reads it, the compiled relay (``core/_relay.c``) takes both sockets: the
 loop watches one epoll descriptor for every adopted engine socket, and each turn one call
 reads them all, writes each client's token events once, chunk-framed, and returns the

@@ -18,7 +18,7 @@ fingerprint, which needs determinism, not parity with the engine; what parity wa
 measured is in ``tests/fingerprint/README.md``.
 
 This is the I/O side of the package: it reads files (GGUF metadata through
-:mod:`fingerprint._gguf`). Load once per model, in the app's lifespan and off the event
+:mod:`fingerprint.gguf_metadata`). Load once per model, in the app's lifespan and off the event
 loop (Gemma 3's 262k-token vocabulary takes seconds to build), never per request.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from fingerprint._gguf import read_metadata
+from fingerprint.gguf_metadata import read_metadata
 from fingerprint.messages import Markers
 
 __all__ = [

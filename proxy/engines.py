@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 
-from adapters._h1 import engine_transport
-from adapters._http import EngineClient, EngineKey
 from adapters.base import Adapter, EngineInfo
+from adapters.h1 import engine_transport
+from adapters.http import EngineClient, EngineKey
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import OllamaAdapter, detect_engine
 from proxy.affinity import AffinityPlanner
@@ -104,7 +104,7 @@ def http_client(settings: Settings, url: str,
                 transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
     """The client of one engine. With an engine key (``--engine-api-key``, or the
     upstreams file's ``api_key=`` for this URL) the proxy's own requests carry it
-    (``adapters._http.EngineKey``); a client's requests carry the client's credentials."""
+    (``adapters.http.EngineKey``); a client's requests carry the client's credentials."""
     key = settings.engine_key_for(url)
     auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
     # Every connection that ends a request well is kept for the next (for httpx's 5 s
@@ -113,7 +113,7 @@ def http_client(settings: Settings, url: str,
     # at 256 streams, and each new one cost a connect and a teardown on both sides.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     if transport is None:
-        # httptools' parser under httpx for plain-HTTP engines (adapters._h1): an engine's
+        # httptools' parser under httpx for plain-HTTP engines (adapters.h1): an engine's
         # streamed answer is read at a fraction of h11's cost per event.
         transport = engine_transport(limits)
     return EngineClient(base_url=url, transport=transport, auth=auth,

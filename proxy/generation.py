@@ -31,8 +31,8 @@ from core.errors import (
 from proxy.logs import get_logger
 
 if TYPE_CHECKING:
-    from adapters._h1 import RelayHandoff
-    from adapters._openai_sse import TokenShape
+    from adapters.h1 import RelayHandoff
+    from adapters.openai_sse import TokenShape
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 # Read per frame: globals, not enum lookups.

@@ -49,7 +49,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters._http import map_httpx_errors
+from adapters.http import map_httpx_errors
 from core.errors import UpstreamError
 from core.figures import Figures
 from proxy.affinity import AffinityPlanner

@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from adapters._h1 import RelayHandoff
-from adapters._openai_sse import TokenShape
 from adapters.base import FrameKind, Progress
+from adapters.h1 import RelayHandoff
+from adapters.openai_sse import TokenShape
 from core.compiled_relay import GivenBack
 from core.errors import ProxyError
 from core.streaming import StreamResponse, wait_disconnect

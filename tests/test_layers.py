@@ -14,6 +14,8 @@ across a layer boundary is still a dependency the layering forbids.
     core          imports nothing from proxy/, adapters/, fingerprint/
     adapters      imports core/ only (never proxy/)
     proxy         anything
+
+and no package imports another's private module (``_name``).
 """
 
 from __future__ import annotations
@@ -210,6 +212,27 @@ def test_layers() -> None:
                                             is_package=path.name == "__init__.py")
                       if imp.target.split(".")[0] in forbidden]
     assert not offenders, "\n".join(offenders)
+
+
+def private_module(target: str) -> bool:
+    """A module whose name (past its package) starts with an underscore: its package's own."""
+    return any(part.startswith("_") and part != "__init__" for part in target.split(".")[1:])
+
+
+def test_no_package_imports_another_packages_private_module() -> None:
+    """What a package offers the others is its public modules: ``adapters.http`` may be
+    imported by proxy/, a ``_name`` module only by its own package."""
+    modules = project_modules()
+    offenders = []
+    for name, path in modules.items():
+        offenders += [f"{path.relative_to(ROOT)}:{imp.line}: {name} imports {imp.target}"
+                      for imp in imports_of(path.read_text(), name, modules,
+                                            is_package=path.name == "__init__.py")
+                      if imp.target.split(".")[0] != name.split(".")[0]
+                      and private_module(imp.target)]
+    assert not offenders, "\n".join(offenders)
+    assert private_module("adapters._private")
+    assert not private_module("adapters.http")
 
 
 def test_the_graph_sees_the_modules_it_must() -> None:

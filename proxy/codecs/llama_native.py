@@ -1,7 +1,7 @@
 """llama-server's native completion API, through the pipeline: ``/completion`` and bare
 ``/completions`` (one handler on llama-server), and ``/infill``, what the editor plugins
 (llama.vim, llama.vscode) send. The engine is asked on the client's own path; its events
-are ``adapters._llama_native``'s frames.
+are ``adapters.llama_native``'s frames.
 
 Streamed: the headers and a ``: prefixpin`` comment at once, ``: <what the proxy waits
 for>`` comments while the engine is silent (an SSE comment, which llama-server's own

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters._http import send_with_stale_retry
+from adapters.http import send_with_stale_retry
 from proxy.app import create_apps
 from proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of
@@ -146,7 +146,7 @@ async def still_serves(client: httpx.AsyncClient) -> None:
 
 @pytest.fixture(autouse=True, params=["httptools", "httpx"])
 def engine_http(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every fault against both engine transports: httptools' (``adapters/_h1.py``, the
+    """Every fault against both engine transports: httptools' (``adapters/h1.py``, the
     default) and httpx's own, the pure-Python path where httptools has no wheel."""
     transport = str(request.param)
     if transport == "httpx":

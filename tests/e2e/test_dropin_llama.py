@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters._http import FORWARDED, EngineKey
+from adapters.http import FORWARDED, EngineKey
 from adapters.llama_server import LlamaServerAdapter
 from adapters.ollama import detect_engine
 from core.errors import UpstreamStatusError

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters._openai_sse import classify_whole
+from adapters.openai_sse import classify_whole
 from proxy.app import create_apps
 from proxy.http_limits import http_options
 from proxy.settings import Settings

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
-from adapters._openai_sse import classify
+from adapters.openai_sse import classify
 from core.errors import ProxyError
 from core.frames import Frame
 from core.sse import SSEDecoder

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from adapters._openai_sse import classify
 from adapters.base import Frame
+from adapters.openai_sse import classify
 from core.sse import SSEDecoder
 from proxy.aggregate import aggregate, assistant_message
 

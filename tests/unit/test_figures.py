@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters._openai_sse import classify
 from adapters.base import Frame, Progress
+from adapters.openai_sse import classify
 from core.figures import figures_from, with_cached_tokens
 from core.sse import SSEDecoder
 

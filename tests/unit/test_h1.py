@@ -1,6 +1,6 @@
-"""The engine transport on httptools (``adapters._h1``): bodies framed every way HTTP/1.1
+"""The engine transport on httptools (``adapters.h1``): bodies framed every way HTTP/1.1
 frames them, keep-alive reuse, and each failure raised as httpx's own transport raises it
-(what ``adapters._http`` maps and retries), against a raw asyncio server that answers
+(what ``adapters.http`` maps and retries), against a raw asyncio server that answers
 exactly the bytes each test gives it."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from adapters import _h1 as h1
-from adapters._h1 import (
+from adapters import h1
+from adapters.h1 import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
     H1Transport,
     engine_transport,
 )
-from adapters._http import EngineClient, pushed_body, send_with_stale_retry
+from adapters.http import EngineClient, pushed_body, send_with_stale_retry
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -469,7 +469,7 @@ def test_open_writes_the_request_httpx_writes(headers: list[tuple[bytes, bytes]]
 
 def test_open_leaves_to_httpx_what_its_client_acts_on() -> None:
     """A hook, or the engine key on one of the proxy's own paths: httpx's own send."""
-    from adapters._http import EngineKey
+    from adapters.http import EngineKey
 
     async def run() -> None:
         seen: list[bytes] = []

@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters._openai_sse import parse_progress
 from adapters.base import Capabilities, Frame, FrameKind, Progress
+from adapters.openai_sse import parse_progress
 from core.figures import Figures, figures_from, with_cached_tokens
 from proxy.affinity import AffinityPlanner
 from proxy.aggregate import aggregate

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from adapters._llama_native import NativeClassifier, classify, is_final, prompt_count
 from adapters.base import FrameKind
+from adapters.llama_native import NativeClassifier, classify, is_final, prompt_count
 from adapters.llama_server import LlamaServerAdapter
 from core.errors import BadRequestError, QueueTimeoutError, UpstreamStatusError
 from core.figures import figures_from

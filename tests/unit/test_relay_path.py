@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from adapters._llama_native import NativeClassifier
-from adapters._openai_sse import classify, classify_whole
+from adapters.llama_native import NativeClassifier
+from adapters.openai_sse import classify, classify_whole
 from core.errors import UpstreamProtocolError
 from core.figures import figures_from
 from core.frames import Frame, FrameKind
@@ -211,7 +211,7 @@ PLAIN_SHAPES: list[dict[str, Any]] = [
 @pytest.mark.parametrize(("shape", "payload"), list(enumerate(PLAIN_SHAPES)))
 def test_the_plain_chunk_path_makes_the_frame_the_general_path_makes(
         shape: int, payload: dict[str, Any]) -> None:
-    from adapters._openai_sse import _classify_object, _plain_text_chunk
+    from adapters.openai_sse import _classify_object, _plain_text_chunk
 
     raw = event({**ENVELOPE, **payload})
     (sse,) = SSEDecoder().feed(raw)

@@ -1,5 +1,5 @@
 """A stream's token events classified from the bytes around their text
-(``adapters._openai_sse.SameShapeTokens``): every read gets exactly the frame
+(``adapters.openai_sse.SameShapeTokens``): every read gets exactly the frame
 ``classify_whole`` gives it, whatever the text holds, and the shortcut really takes the
 reads of a llama-server stream."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import adapters._openai_sse as openai_sse
-from adapters._openai_sse import SameShapeTokens, classify_whole
+import adapters.openai_sse as openai_sse
+from adapters.openai_sse import SameShapeTokens, classify_whole
 from core.frames import Frame
 
 # A llama-server chat stream's envelope, as a real one sends it (llama.cpp at the pinned

@@ -14,7 +14,7 @@ bytes (the generation requests, probes, slot actions). Everything else (a stream
 request body, ``https``, ``HEAD``, an upgrade) goes to the ``fallback`` transport,
 httpx's own. Errors are httpx's, as its transport raises them: a connection closed
 before any response byte is ``RemoteProtocolError("Server disconnected without sending
-a response.")`` (``adapters._http.send_with_stale_retry`` retries it), a reset is
+a response.")`` (``adapters.http.send_with_stale_retry`` retries it), a reset is
 ``ReadError``, a body cut short is ``RemoteProtocolError`` ("incomplete"), a read past
 the timeout ``ReadTimeout``. Without httptools the proxy keeps httpx's transport
 (``engine_transport``); ``PREFIXPIN_ENGINE_HTTP=httpx`` chooses it anyway.
@@ -84,7 +84,7 @@ class H1Transport(httpx.AsyncBaseTransport):
         """The request from its parts (a plain-HTTP URL; ``headers`` as they go on the
         wire, Host and Content-Length included), its response with the body to stream.
         ``request``: the httpx request it is, named by the errors (none for
-        ``adapters._http.EngineClient.open``, which sends without one)."""
+        ``adapters.http.EngineClient.open``, which sends without one)."""
         if self._closed:
             raise RuntimeError("the transport is closed")
         key = (url.host, url.port or 80)
@@ -100,7 +100,7 @@ class H1Transport(httpx.AsyncBaseTransport):
             connection.close()
             raise
         body = _Body(self, key, connection, timeouts.get("read"))
-        # The body under the name ``adapters._http.pushed_body`` finds it by: httpx wraps
+        # The body under the name ``adapters.http.pushed_body`` finds it by: httpx wraps
         # ``stream`` in its own (a generator per read) before anyone reads it.
         return httpx.Response(
             connection.status, headers=connection.headers, stream=body,

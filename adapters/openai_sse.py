@@ -52,7 +52,7 @@ def classify_whole(chunk: bytes) -> Frame | None:
     ``core.sse.SSEDecoder`` would decode from it, without that event, and without decoding
     the data (orjson reads the bytes; the frame keeps them). None for any other read (an
     object orjson refuses included): the decoder and ``classify`` take it, errors and all.
-    For a decoder that holds nothing (``adapters._http.push_decoded_frames``)."""
+    For a decoder that holds nothing (``adapters.http.push_decoded_frames``)."""
     parsed = _whole_object(chunk)
     return None if parsed is None else _classify_data(chunk, *parsed)
 

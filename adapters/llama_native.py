@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters._openai_sse import _parse_object as parse_object
-from adapters._openai_sse import parse_progress
 from adapters.base import Frame, FrameKind
+from adapters.openai_sse import _parse_object as parse_object
+from adapters.openai_sse import parse_progress
 from core.sse import SSEEvent
 
 # llama-server's native completion paths (tools/server/server.cpp: "/completion" is its

@@ -18,9 +18,9 @@ from typing import Any, Protocol, TypeVar, cast
 import httpx
 import orjson
 
-from adapters._h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
-from adapters._openai_sse import TokenShape
 from adapters.base import Frame, FrameSink
+from adapters.h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
+from adapters.openai_sse import TokenShape
 from core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -122,7 +122,7 @@ class EngineClient(httpx.AsyncClient):
                    headers: list[tuple[bytes, bytes]]) -> httpx.Response:
         """``send_with_stale_retry(self, self.build_request(method, url, content=content,
         headers=headers))``, streamed: the same request on the wire. Where the transport
-        is ``adapters._h1``'s and nothing of the client acts on the request (no hook, no
+        is ``adapters.h1``'s and nothing of the client acts on the request (no hook, no
         credential of its own for the path), it is written from its parts, without
         httpx's request and response machinery (building the request, its headers merged
         and normalised three times, the auth and redirect flows, the response's wrapper:
@@ -307,7 +307,7 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     ``whole``: the frame of a piece that is exactly one whole item (what the decoder
     would make of it, then ``classify``), or None for any other piece; asked only while
     the decoder holds nothing, it spares the common piece, one streamed token, the
-    decoder's item and a call or two (``adapters._openai_sse.SameShapeTokens``: one per
+    decoder's item and a call or two (``adapters.openai_sse.SameShapeTokens``: one per
     stream, it may keep what it learns of the stream's token events)."""
     take_frame, take_frames = sink.take_frame, sink.take_frames
     last_whole: bytes | None = None  # this read's last piece, if ``whole`` took it
@@ -372,13 +372,13 @@ def _identity_encoded(response: httpx.Response) -> bool:
 
 
 class PushedBody(Protocol):
-    """A body stream that hands each read to a sink from the read itself (``adapters._h1``)."""
+    """A body stream that hands each read to a sink from the read itself (``adapters.h1``)."""
 
     async def push(self, sink: Callable[[bytes], None]) -> None: ...
 
 
 def pushed_body(response: httpx.Response) -> PushedBody | None:
-    """The body a transport can push (``adapters._h1`` names it in the response's
+    """The body a transport can push (``adapters.h1`` names it in the response's
     extensions: httpx wraps its stream) when nothing must decode it (no content
     encoding) and nobody read it yet, marked consumed; else None."""
     body = response.extensions.get(PUSHED_BODY)
