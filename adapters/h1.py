@@ -23,7 +23,6 @@ the timeout ``ReadTimeout``. Without httptools the proxy keeps httpx's transport
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
@@ -47,10 +46,11 @@ MAX_INTERIM_RESPONSES = 8
 HEAD_WITHIN_S = 30.0
 
 
-def engine_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport | None:
-    """The transport for an engine URL: this one when httptools is there (and
-    ``PREFIXPIN_ENGINE_HTTP`` is not ``httpx``), else None (httpx's own)."""
-    if httptools is None or os.environ.get("PREFIXPIN_ENGINE_HTTP", "").lower() == "httpx":
+def engine_transport(limits: httpx.Limits, *,
+                     http: str = "httptools") -> httpx.AsyncBaseTransport | None:
+    """The transport for an engine URL: this one when httptools is there and ``http``
+    (``Settings.engine_http``) asks for it, else None (httpx's own)."""
+    if httptools is None or http == "httpx":
         return None
     return H1Transport(limits)
 

@@ -115,7 +115,7 @@ def http_client(settings: Settings, url: str,
     if transport is None:
         # httptools' parser under httpx for plain-HTTP engines (adapters.h1): an engine's
         # streamed answer is read at a fraction of h11's cost per event.
-        transport = engine_transport(limits)
+        transport = engine_transport(limits, http=settings.engine_http)
     return EngineClient(base_url=url, transport=transport, auth=auth,
                         timeout=settings.upstream_timeout(), limits=limits)
 

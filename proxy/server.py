@@ -82,19 +82,19 @@ def serve(settings: Settings) -> int:
     # than the text's tokens under load (bench/results/load/PROFILE.md). A value the user
     # set stands.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with contextlib.suppress(KeyboardInterrupt), event_loop() as runner:
+    with contextlib.suppress(KeyboardInterrupt), event_loop(settings.loop) as runner:
         runner.run(serve_both(tenant, operator))
         for caught in reversed(tenant.caught):
             signal.raise_signal(caught)
     return 0 if tenant.started and operator.started else 1
 
 
-def event_loop() -> asyncio.Runner:
+def event_loop(choice: str = "auto") -> asyncio.Runner:
     """The loop both listeners run on: uvloop where it is installed (libuv's loop; its
     socket reads, writes and timers cost a fraction of the stock loop's per relayed event,
-    bench/results/load/PROFILE.md), else asyncio's own; ``PREFIXPIN_LOOP=asyncio`` chooses
-    asyncio's anyway."""
-    if os.environ.get("PREFIXPIN_LOOP", "").lower() != "asyncio":
+    bench/results/load/PROFILE.md), else asyncio's own; ``PREFIXPIN_LOOP=asyncio``
+    (``Settings.loop``) chooses asyncio's anyway."""
+    if choice != "asyncio":
         try:
             import uvloop
         except ImportError:  # a platform without the wheel (Windows): the stock loop

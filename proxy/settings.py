@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
     heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # The event loop (uvloop where installed, or asyncio's own) and the engine connection's
+    # HTTP/1.1 (httptools' C parser, adapters/h1.py, or httpx's pure-Python one).
+    loop: Literal["auto", "asyncio"] = "auto"
+    engine_http: Literal["httptools", "httpx"] = "httptools"
     max_json_values: int = Field(2_000_000, ge=1000, description="JSON values (separators) "
                                  "a request body may hold; past it a 413 before parsing")
     # Each listener's connections, and the time a request's head and body may take

@@ -21,6 +21,7 @@ from adapters.h1 import (
     engine_transport,
 )
 from adapters.http import EngineClient, pushed_body, send_with_stale_retry
+from proxy.settings import Settings
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -293,8 +294,9 @@ def test_an_unreachable_engine_is_a_connect_error() -> None:
 
 def test_httpx_s_transport_is_chosen_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(engine_transport(httpx.Limits()), H1Transport)
-    monkeypatch.setenv("PREFIXPIN_ENGINE_HTTP", "httpx")
-    assert engine_transport(httpx.Limits()) is None
+    assert engine_transport(httpx.Limits(), http="httpx") is None
+    monkeypatch.setenv("PREFIXPIN_ENGINE_HTTP", "httpx")  # the setting's environment name
+    assert Settings().engine_http == "httpx"
 
 
 def test_the_engine_client_keeps_no_cookie() -> None:
