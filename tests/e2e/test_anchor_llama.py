@@ -80,6 +80,20 @@ async def settle(client: ProxyClient, name: str, count: float, **labels: str) ->
             await asyncio.sleep(0.05)
 
 
+def parking(engine: LlamaServerProcess, park: Path, *, anchor: bool = True,
+            park_ahead: bool = True) -> Settings:
+    return Settings(upstream=engine.url, park_dir=park, park_index_dir=park.with_name("index"),
+                    park_min_tokens=32, health_interval_s=0.5, anchor=anchor,
+                    park_ahead=park_ahead)
+
+
+async def outcomes(client: ProxyClient) -> tuple[float, float, float]:
+    """Restores done, restores declined (the request did not extend the file), anchors."""
+    return (await metric(client, "prefixpin_restores_total", outcome="restored"),
+            await metric(client, "prefixpin_restores_total", outcome="diverged"),
+            await metric(client, "prefixpin_anchors_total", outcome="anchored"))
+
+
 @pytest.mark.parametrize("anchor", [True, False])
 async def test_a_restore_after_anchoring_is_an_extension(
         qwen35: LlamaServerProcess, park: Path, anchor: bool) -> None:
@@ -87,10 +101,7 @@ async def test_a_restore_after_anchoring_is_an_extension(
     a user or a tool takes). Anchored, every return is a restore of a file the request
     extends: its whole previous prompt and reply cached. Not anchored, the same restores
     are declined (the template rewrote the last reply) and every return re-reads all."""
-    config = Settings(upstream=qwen35.url, park_dir=park,
-                      park_index_dir=park.with_name("index"), park_min_tokens=32,
-                      anchor=anchor, health_interval_s=0.5)
-    apps = create_apps(config)
+    apps = create_apps(parking(qwen35, park, anchor=anchor))
     app = apps.tenant
     agents = [Agent("A"), Agent("B")]
     async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
@@ -101,9 +112,7 @@ async def test_a_restore_after_anchoring_is_an_extension(
                 if anchor:  # its slot idles: anchored before the other session comes
                     await settle(client, "prefixpin_anchors_total", len(agent.usage) * 2
                                  - (agent.name == "A"), outcome="anchored")
-        restored = await metric(client, "prefixpin_restores_total", outcome="restored")
-        declined = await metric(client, "prefixpin_restores_total", outcome="diverged")
-        anchors = await metric(client, "prefixpin_anchors_total", outcome="anchored")
+        restored, declined, anchors = await outcomes(client)
     returns = [(before, after) for agent in agents
                for before, after in itertools.pairwise(agent.usage)]
     if anchor:
@@ -160,10 +169,7 @@ async def test_a_slot_evicted_before_it_idled_is_anchored_as_it_is_parked(
     """A and B alternate on one slot with no time between turns (a tool loop, a script):
     no slot ever idles, so each is anchored when the other's request evicts it, just
     before it is saved; every return is still a restore its request extends."""
-    config = Settings(upstream=qwen35.url, park_dir=park, park_ahead=False,
-                      park_index_dir=park.with_name("index"), park_min_tokens=32,
-                      health_interval_s=0.5)
-    apps = create_apps(config)
+    apps = create_apps(parking(qwen35, park, park_ahead=False))
     app = apps.tenant
     agents = [Agent("A"), Agent("B")]
     async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
@@ -171,9 +177,7 @@ async def test_a_slot_evicted_before_it_idled_is_anchored_as_it_is_parked(
         for step in (1, 2, 3):
             for agent in agents:
                 await agent.turn(client, step)
-        restored = await metric(client, "prefixpin_restores_total", outcome="restored")
-        declined = await metric(client, "prefixpin_restores_total", outcome="diverged")
-        anchors = await metric(client, "prefixpin_anchors_total", outcome="anchored")
+        restored, declined, anchors = await outcomes(client)
     assert (restored, declined) == (4, 0)
     assert anchors == 5  # every eviction: A's three, B's two
     for agent in agents:
