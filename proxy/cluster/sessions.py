@@ -128,6 +128,20 @@ class SharedSessions:
             return local
         return self.store.put(session)
 
+    def withdraw(self, namespace: str, key: str | None, session_ids: list[str]) -> None:
+        """Sessions their client ended (``x-dynamo-session-final``): gone from the shared
+        table too, so no replica brings them back (synchronous, as ``publish``)."""
+        pipe = self.cluster.sync.pipeline(transaction=True)
+        for session_id in session_ids:
+            pipe.delete(self._record_key(session_id), self.cluster.key("sv", session_id))
+            pipe.zrem(self._index_key(namespace, key), session_id)
+            pipe.zrem(self.cluster.key("all", namespace), session_id)
+        try:
+            pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            log_event(self.log, logging.WARNING, "ended sessions not withdrawn",
+                      sessions=session_ids, error=str(exc))
+
     def publish(self, session: Session) -> bool:
         """Write a committed session (synchronous: see the module docstring)."""
         version = _version_of(session) + 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from core.asgi_transport import StreamingASGITransport
 from proxy.app import create_apps
@@ -274,3 +275,29 @@ async def test_redis_gone_is_a_503_that_names_it_not_a_wrong_decision() -> None:
             assert error["code"] == "shared_state_unavailable"
             assert "Redis" in error["message"]
             assert len(engine.requests) == 1
+
+
+async def test_a_session_its_client_ended_is_gone_from_every_replica(
+        redis_server: RedisProcess) -> None:
+    """``x-dynamo-session-final`` on replica 0: the session leaves the shared table too, so
+    the same key's next request on replica 1 starts a new session, not the ended one."""
+    engines = [FakeLlamaServer(FakeLlamaConfig(n_slots=2)) for _ in URLS]
+    async with replicas(redis_server.url, engines) as (clients, _):
+        history: list[dict[str, Any]] = [{"role": "system", "content": "be terse " * 100},
+                                         {"role": "user", "content": "first"}]
+        await chat(clients[0], history, "ending")
+        history += [{"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": "last"}]
+        final = await clients[0].post(
+            "/v1/chat/completions", json={"model": "m", "messages": history, "max_tokens": 6},
+            headers={"x-dynamo-session-id": "ending", "x-dynamo-session-final": "true"})
+        assert final.status_code == 200, final.text
+        views = [(await c.admin.get("/sessions")).json()["namespaces"].get("anon", [])
+                 for c in clients]
+        table = redis.Redis.from_url(redis_server.url)
+        try:  # any test's session records: none is the ended session's
+            records = [table.get(k) or b"" for k in table.scan_iter(match="*:s:*")]
+        finally:
+            table.close()
+    assert [s for view in views for s in view if s["key"] == "ending"] == []
+    assert not [r for r in records if b'"ending"' in r]
