@@ -55,6 +55,7 @@ class BadRequestError(ClientError):
 class PayloadTooLargeError(ClientError):
     status_code = 413
     code = "payload_too_large"
+    limit = "body_size"  # the bound it hit, as prefixpin_limit_refusals_total labels it
 
 
 class NotFoundError(ClientError):

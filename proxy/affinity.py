@@ -114,12 +114,13 @@ class AffinityPlanner:
                                  "namespace": namespace, "upstream": backend.label}
         if session.key is not None:
             notes["key"] = session.key
-        if identity is not None and identity.final:
-            notes["final"] = True  # the commit releases the session (``_release``)
+        final = identity is not None and identity.final
+        if final:
+            notes["final"] = True  # for the request's log line
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
-                    decision=session.last_decision,
+                    decision=session.last_decision, final=final,
                     # the body as planned (not rewritten by repair): the request's own
                     # digests and shape
                     digests=(digests if as_planned
@@ -143,7 +144,7 @@ class AffinityPlanner:
             return
         blocked = None
         if lease.eviction is not None:
-            self.metrics.slot_evictions.labels((plan.lane or ""),
+            self.metrics.slot_evictions.labels(plan.lane or "",
                                                lease.eviction.reason).inc()
             previous = self.store.get(lease.eviction.session_id)
             if previous is None or previous.namespace != session.namespace:
@@ -209,7 +210,7 @@ class AffinityPlanner:
         self.store.touch(session)
         if self.parking is not None:
             self.parking.touch(session.id)
-        if plan.notes.get("final") is True:
+        if plan.final:  # the commit releases the session
             self._release(session)
         elif plan.slot is not None:
             held = (figures.prompt_tokens or 0) + max(0, (figures.completion_tokens or 0) - 1)
@@ -228,8 +229,7 @@ class AffinityPlanner:
         every history under its key lets go of its slot (the slot is an empty one to
         placement, its contents unknown: nobody reads them from cache) and of its parked
         file, and leaves the store."""
-        ended = (self.store.with_key(session.namespace, session.key)
-                 if session.key is not None else [session])
+        ended = self.store.histories_of(session)
         for history in ended:
             self.pool.release(history.id)
             if self.parking is not None:

@@ -41,7 +41,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.errors import ProxyError, error_response, openai_error
+from core.errors import PayloadTooLargeError, ProxyError, error_response, openai_error
 from proxy.codecs import Codec
 from proxy.codecs import routes as codec_routes
 from proxy.logs import get_logger
@@ -284,8 +284,12 @@ def _passthrough(holder: StateHolder, path: str | None, *,
         configured = router.tenants.configured
         if configured:
             router.tenants.namespace_of(headers_of(request))
-        content = await read_body(request.stream(), request.headers.get("content-length"),
-                                  state.settings.max_body_bytes)
+        try:
+            content = await read_body(request.stream(), request.headers.get("content-length"),
+                                      state.settings.max_body_bytes)
+        except PayloadTooLargeError as exc:
+            state.metrics.limit_refusals.labels(exc.limit).inc()
+            raise
         lane = router.lane_for_passthrough()
         return await forward(request, lane.service.backend.adapter.http, content, path=path,
                              drop_headers=CREDENTIAL_HEADERS if configured else dropped,

@@ -52,12 +52,7 @@ from proxy.settings import EMBEDDED, Settings
 from proxy.shared import SharedStateError
 from proxy.system_turns import has_mid_system, in_place
 from proxy.tenants import Tenants
-from proxy.validation import (
-    ClientRequest,
-    TooManyValuesError,
-    check_json_values,
-    read_body,
-)
+from proxy.validation import ClientRequest, check_json_values, read_body
 from proxy.watch import EngineWatch, probe_until_ready
 
 # Bodies up to this size are parsed on the loop (a long agent history is ~150 kB: a few ms);
@@ -133,8 +128,7 @@ class Router:
         except ProxyError as exc:
             self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
             if isinstance(exc, PayloadTooLargeError):
-                self.metrics.limit_refusals.labels(
-                    "json_values" if isinstance(exc, TooManyValuesError) else "body_size").inc()
+                self.metrics.limit_refusals.labels(exc.limit).inc()
             raise
 
     async def _serve(self, request: Request, headers: Mapping[str, str], namespace: str,

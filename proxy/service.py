@@ -120,6 +120,7 @@ class Plan:
     # decides), and whether the slot is read from cache at all: why a prefix broke.
     decision: str | None = None
     cache_blocked: bool = False
+    final: bool = False  # the client ends the session with this request
 
 
 @dataclass(frozen=True, slots=True)

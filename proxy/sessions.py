@@ -192,6 +192,11 @@ class SessionStore:
         """Every history under one explicit key, most recently used first."""
         return self._newest_first_of(self._keyed.get((namespace, key)))
 
+    def histories_of(self, session: Session) -> list[Session]:
+        """Every history under ``session``'s key (just ``session`` when it has none)."""
+        return (self.with_key(session.namespace, session.key) if session.key is not None
+                else [session])
+
     def keyless(self, namespace: str) -> list[Session]:
         return [s for s in self._own_newest_first(namespace) if s.key is None]
 

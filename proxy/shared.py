@@ -10,7 +10,6 @@ from core.errors import ProxyError
 from proxy.identity import explicit_identity
 from proxy.placement import Lease
 from proxy.service import Backend, Incoming, Outcome, Plan, Planner
-from proxy.sessions import Session
 
 if TYPE_CHECKING:
     from proxy.cluster.sessions import SharedSessions
@@ -52,16 +51,11 @@ class SharedStatePlanner:
 
     def commit(self, plan: Plan, outcome: Outcome) -> None:
         session = self.store.get(plan.session) if plan.session else None
-        ended = (self._histories(session) if session is not None and outcome.ok
-                 and plan.notes.get("final") is True else None)
+        # What the planner releases on a final commit: every history under the key.
+        ended = ([s.id for s in self.store.histories_of(session)]
+                 if session is not None and outcome.ok and plan.final else None)
         self.inner.commit(plan, outcome)
         if session is not None and ended is not None:  # the planner released them
             self.shared.withdraw(session.namespace, session.key, ended)
         elif session is not None and outcome.ok:
             self.shared.publish(session)
-
-    def _histories(self, session: Session) -> list[str]:
-        """The ids a final request ends: every history under its key (``_release``)."""
-        if session.key is None:
-            return [session.id]
-        return [s.id for s in self.store.with_key(session.namespace, session.key)]

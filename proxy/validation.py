@@ -397,6 +397,7 @@ def optional_bool(body: Mapping[str, Any], name: str) -> bool:
 
 class TooManyValuesError(PayloadTooLargeError):
     code = "too_many_values"
+    limit = "json_values"
 
 
 def check_json_values(raw: bytes, max_values: int) -> None:

@@ -67,6 +67,13 @@ async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
     return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)])
 
 
+async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[int] | None:
+    """The request's prompt as the engine tokenizes it (its template's rendering of the
+    messages, or its raw prompt); None when that prompt is not text."""
+    text = await adapter.apply_template(body) if "messages" in body else body.get("prompt")
+    return await adapter.tokenize(text, add_special=True) if isinstance(text, str) else None
+
+
 async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],
                                   messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` and then any user turn starts with:

@@ -31,7 +31,7 @@ from core.errors import ProxyError
 from proxy.history import Committed, decide
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.parking.anchor import Anchorer, when_idle
+from proxy.parking.anchor import Anchorer, prompt_tokens, when_idle
 from proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from proxy.parking.limits import EngineLimits
 from proxy.parking.slotfile import (
@@ -461,13 +461,11 @@ class ParkManager:
         """Why the request's prompt does not extend every token the file holds (the
         engine would re-process it all: no checkpoint survives a restore), or None."""
         try:
-            text = (await self.adapter.apply_template(body) if "messages" in body
-                    else body.get("prompt"))
-            if not isinstance(text, str):
-                return "the request's prompt is not text: its tokens cannot be compared"
-            prompt = await self.adapter.tokenize(text, add_special=True)
+            prompt = await prompt_tokens(self.adapter, body)
         except ProxyError as exc:
             return f"cannot compare the request's tokens with the file's ({exc.message})"
+        if prompt is None:
+            return "the request's prompt is not text: its tokens cannot be compared"
         shared = common_prefix(prompt, held)
         if shared == len(held) and len(prompt) > len(held):
             return None

@@ -45,8 +45,9 @@ from adapters.base import Adapter
 from core.errors import ProxyError
 from proxy.logs import log_event
 from proxy.metrics import Metrics
-from proxy.parking.anchor import tokens_before_user_turn
+from proxy.parking.anchor import prompt_tokens, tokens_before_user_turn
 from proxy.parking.slotfile import unlink
+from proxy.system_turns import SYSTEM_ROLES
 from proxy.tokens import common_prefix
 
 PER_NAMESPACE = 4  # openings kept per namespace (a main agent and its sub-agent kinds)
@@ -54,7 +55,6 @@ NAMESPACES = 256  # namespaces with openings, least recently used out first
 # What a sibling must share past a restored opening for a longer one to be saved: each
 # save writes a file on the request's path, once per shared prefix (later siblings find it).
 EXTEND_MIN_TOKENS = 16
-_LEADING_ROLES = frozenset({"system", "developer"})
 
 
 @dataclass(slots=True)
@@ -83,15 +83,10 @@ async def request_opening(adapter: Adapter, body: Mapping[str, Any]) -> list[int
         return None
     lead = []
     for message in messages:
-        if not isinstance(message, Mapping) or message.get("role") not in _LEADING_ROLES:
+        if not isinstance(message, Mapping) or message.get("role") not in SYSTEM_ROLES:
             break
         lead.append(message)
     return await tokens_before_user_turn(adapter, body, lead)
-
-
-async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[int]:
-    """The request's prompt as the engine will tokenize it."""
-    return await adapter.tokenize(await adapter.apply_template(body), add_special=True)
 
 
 class Openings:
@@ -128,7 +123,7 @@ class Openings:
         except ProxyError as exc:
             self._failed(session_id, slot, f"cannot render the opening: {exc.message}")
             return None
-        if len(prompt) <= len(opening) or prompt[:len(opening)] != opening:
+        if prompt is None or len(prompt) <= len(opening) or prompt[:len(opening)] != opening:
             return None  # the template renders the first turn otherwise: nothing to share
         target = max(len(opening), self._shared_with_sibling(namespace, prompt))
         found = self._longest(namespace, prompt)
@@ -140,7 +135,6 @@ class Openings:
             blocked = False  # the slot holds this namespace's opening now
         saved = await self._save(namespace, tuple(prompt[:target]), session_id, slot, blocked)
         return saved or restored
-
 
     def _shared_with_sibling(self, namespace: str, prompt: Sequence[int]) -> int:
         """How many tokens ``prompt`` shares with the namespace's previous new session's

@@ -11,6 +11,7 @@ import pytest
 from proxy.server import serve
 from proxy.settings import Settings
 from tests.app.conftest import running_proxy
+from tests.app.test_parking import metric
 
 pytestmark = pytest.mark.anyio
 
@@ -156,6 +157,8 @@ async def test_a_pass_through_body_over_max_body_is_a_413_and_never_sent(
         response = await client.post("/tokenize", content=chunks() if chunked else body,
                                      headers={"content-type": "application/json"})
         small = await client.post("/tokenize", json={"content": "hi"})
+        counted = await metric(client, "prefixpin_limit_refusals_total", limit="body_size")
+    assert counted == 1
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "payload_too_large"
     assert small.status_code == 200
