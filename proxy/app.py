@@ -146,7 +146,7 @@ def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | Non
     refused = _operator_only(settings)
     routes: list[BaseRoute] = [
         *(_pipeline_route(path, codec, holder) for path, codec in codec_routes().items()),
-        Route("/healthz", _healthz(holder), methods=["GET"]),
+        Route("/healthz", _healthz(holder, tenants_port=True), methods=["GET"]),
         *(Route(path, _passthrough(holder, path), methods=[method])
           for path, method in TENANT_PATHS.items()),
         Route("/{path:path}", refused, methods=ALL_METHODS),
@@ -320,11 +320,15 @@ def _sessions(holder: StateHolder) -> Handler:
     return handle
 
 
-def _healthz(holder: StateHolder) -> Handler:
+def _healthz(holder: StateHolder, *, tenants_port: bool = False) -> Handler:
+    """``tenants_port``: anyone may ask there, without a key: which tenants a backend is
+    dedicated to is the operator's to see, not theirs."""
     async def handle(request: Request) -> Response:
         state = holder.get()
         router = state.router
         upstreams = await router.health()
+        if tenants_port:
+            upstreams = [{k: v for k, v in u.items() if k != "namespaces"} for u in upstreams]
         healthy = any(u["status"] == "ok" for u in upstreams)
         body = {"status": "ok" if healthy else "degraded",
                 "uptime_s": round(time.time() - state.started),

@@ -59,6 +59,7 @@ from proxy.passthrough import forward
 from proxy.placement import Lease
 from proxy.service import Backend, Incoming, Outcome, Plan
 from proxy.sessions import Session
+from proxy.tenants import CREDENTIAL_HEADERS
 from proxy.validation import ClientRequest
 
 # A load takes hundreds of milliseconds (a runner process starts and reads the weights);
@@ -202,14 +203,17 @@ class _Estimate:
 # ------------------------------------------------------------------------ native routes
 
 async def lifecycle(http: httpx.AsyncClient, planner: OllamaPlanner | None, request: Request,
-                    client: ClientRequest, raw: bytes) -> Response:
+                    client: ClientRequest, raw: bytes, *, engine_key: bool = False) -> Response:
     """A model load or unload request (``/api/chat`` with no messages, ``/api/generate``
-    with an empty prompt) goes to Ollama as it came; a load or an unload empties the
-    model's cache, which the planner is told."""
+    with an empty prompt) goes to Ollama as it came (``engine_key``, configured tenants:
+    with the engine's key, never the tenant's); a load or an unload empties the model's
+    cache, which the planner is told."""
     body = client.body
     model = model_key(body.get("model"))
     loaded = await _is_loaded(http, model)
-    response = await forward(request, http, raw)
+    response = await forward(request, http, raw,
+                             drop_headers=CREDENTIAL_HEADERS if engine_key else (),
+                             operator=engine_key)
     if planner is not None and response.status_code < 400:
         if unloads(body.get("keep_alive")):
             planner.lost(model, f"unload of {model} requested (keep_alive 0)", "unloaded")

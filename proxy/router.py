@@ -97,7 +97,8 @@ class Router:
                 lanes = self._lanes_for(namespace, client, lanes)
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
                 return await lifecycle(lane.service.backend.adapter.http, lane.models,
-                                       request, client, raw)
+                                       request, client, raw,
+                                       engine_key=self.tenants.configured)
             return await self._serve(request, headers, namespace, client, codec, lanes)
         except ProxyError as exc:
             return codec.error_response(exc)

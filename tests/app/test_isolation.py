@@ -297,3 +297,15 @@ async def test_ollama_serves_several_tenants_only_where_dedicated(
         keyed = await rig.client.post("/v1/chat/completions", headers=ONE,
                                       json={"model": MODEL, "messages": body["messages"]})
     assert keyless.status_code == keyed.status_code == 200, (keyless.text, keyed.text)
+
+
+async def test_the_tenant_ports_health_names_no_tenant(tenant_file: Callable[..., Path]) -> None:
+    """Anyone may ask the tenant port's /healthz, without a key: the tenants a backend is
+    dedicated to are on the operator listener's only."""
+    async with two_lanes([FakeLlamaConfig(), FakeLlamaConfig(cache_ram=0)],
+                         tenants_file=tenant_file("tenant-one", "tenant-two"),
+                         upstream_namespaces={URLS[0]: [NS_ONE]}) as (client, _, app):
+        tenants_port = (await client.get("/healthz")).json()
+        view = router_of(app).sessions_view()["backends"]
+    assert "tenant-one" not in str(tenants_port)
+    assert view[0]["namespaces"] == [NS_ONE]

@@ -80,11 +80,15 @@ class Recorder:
     def __init__(self, app: Starlette) -> None:
         self.app = app
         self.bodies: list[tuple[str, dict[str, Any]]] = []
+        self.credentials: list[dict[str, str]] = []  # each POST's authorization, x-api-key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.credentials.append({k: headers[k] for k in ("authorization", "x-api-key")
+                                 if k in headers})
         chunks: list[bytes] = []
         replay: list[Any] = []
         while True:

@@ -138,3 +138,18 @@ async def test_allow_shared_cache_is_the_documented_opt_in(tmp_path: Path) -> No
     assert health["upstreams"][0]["shared_cache"]
     assert health["upstreams"][0]["gated"] is False
     assert delete.status_code == 403
+
+
+async def test_a_tenants_key_never_reaches_ollama_on_a_model_load_or_unload(
+        tmp_path: Path) -> None:
+    """Configured tenants: a model unload from tenant a (the lane is a's) goes to Ollama
+    without a's key, as a chat does."""
+    async with proxy_rig(recorder=True, **tenants(tmp_path, dedicated=True)) as rig:
+        unload = await rig.client.post("/api/generate", headers=A,
+                                       json={"model": MODEL, "keep_alive": 0})
+        chat = await rig.client.post("/api/chat", headers=A, json=CHAT)
+        assert rig.recorder is not None
+        sent = rig.recorder.credentials
+    assert unload.status_code == chat.status_code == 200, (unload.text, chat.text)
+    assert sent
+    assert all("tenant-a-secret-token" not in str(c) for c in sent), sent
