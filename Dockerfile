@@ -12,12 +12,13 @@ COPY core ./core
 COPY proxy ./proxy
 COPY adapters ./adapters
 COPY fingerprint ./fingerprint
+COPY prefixpin ./prefixpin
 # gcc for the compiled relay (core/_relay.c: the install compiles it; without a compiler
 # it would quietly keep the slower Python relay), removed again in the same layer; the
 # import checks it was built.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install ".[replicas]" \
-    && cd / && python -c "import core._relay" \
+    && cd / && python -c "import prefixpin.core._relay" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y \
     && rm -rf /var/lib/apt/lists/* /src
 

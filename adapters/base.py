@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from core.frames import Frame, FrameKind, Progress
+from prefixpin.core.frames import Frame, FrameKind, Progress
 
 __all__ = ["Adapter", "Capabilities", "EngineInfo", "Frame", "FrameKind", "Progress",
            "SlotFileResult", "SlotState", "UpstreamCall", "UpstreamStream"]

@@ -18,10 +18,10 @@ from typing import Any, Protocol, TypeVar, cast
 import httpx
 import orjson
 
-from adapters.base import Frame, FrameSink
-from adapters.h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
-from adapters.openai_sse import TokenShape
-from core.errors import (
+from prefixpin.adapters.base import Frame, FrameSink
+from prefixpin.adapters.h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
+from prefixpin.adapters.openai_sse import TokenShape
+from prefixpin.core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeoutError,

@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.base import Frame, FrameKind
-from adapters.openai_sse import _parse_object as parse_object
-from adapters.openai_sse import parse_progress
-from core.sse import SSEEvent
+from prefixpin.adapters.base import Frame, FrameKind
+from prefixpin.adapters.openai_sse import _parse_object as parse_object
+from prefixpin.adapters.openai_sse import parse_progress
+from prefixpin.core.sse import SSEEvent
 
 # llama-server's native completion paths (tools/server/server.cpp: "/completion" is its
 # legacy name of "/completions"; "/infill" the fill-in-the-middle API of editor plugins).

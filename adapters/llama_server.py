@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from adapters.base import (
+from prefixpin.adapters.base import (
     Capabilities,
     EngineInfo,
     Frame,
@@ -27,7 +27,7 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from adapters.http import (
+from prefixpin.adapters.http import (
     EngineClient,
     decoded_frames,
     encode_json,
@@ -38,10 +38,10 @@ from adapters.http import (
     push_decoded_frames,
     send_with_stale_retry,
 )
-from adapters.llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
-from adapters.openai_sse import SameShapeTokens, classify
-from core.errors import UpstreamError
-from core.sse import SSEDecoder, SSEEvent
+from prefixpin.adapters.llama_native import NATIVE_PATHS, NativeClassifier, prompt_count
+from prefixpin.adapters.openai_sse import SameShapeTokens, classify
+from prefixpin.core.errors import UpstreamError
+from prefixpin.core.sse import SSEDecoder, SSEEvent
 
 # Architectures whose attention is (partly) a sliding window: a rewind deeper than the
 # window needs a context checkpoint, and a restored slot has none (research note §1, §3).

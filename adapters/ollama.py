@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
-from adapters.base import (
+from prefixpin.adapters.base import (
     Capabilities,
     EngineInfo,
     Frame,
@@ -36,7 +36,7 @@ from adapters.base import (
     SlotState,
     UpstreamCall,
 )
-from adapters.http import (
+from prefixpin.adapters.http import (
     decoded_frames,
     encode_json,
     expect_media_type,
@@ -44,10 +44,10 @@ from adapters.http import (
     push_decoded_frames,
     send_with_stale_retry,
 )
-from adapters.openai_sse import classify as classify_sse
-from core.errors import UpstreamError, UpstreamProtocolError
-from core.ndjson import Line, NDJSONDecoder
-from core.sse import SSEDecoder
+from prefixpin.adapters.openai_sse import classify as classify_sse
+from prefixpin.core.errors import UpstreamError, UpstreamProtocolError
+from prefixpin.core.ndjson import Line, NDJSONDecoder
+from prefixpin.core.sse import SSEDecoder
 
 CACHED_COUNT_SINCE = (0, 33, 3)  # ollama/ollama#17943: prompt_eval_cached_count
 WHOLE_PROMPT_COUNT_SINCE = (0, 30, 1)  # ollama/ollama#16428: prompt_eval_count = cache + new

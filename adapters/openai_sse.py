@@ -17,11 +17,11 @@ from typing import Any
 
 import orjson
 
-from adapters.base import Frame, FrameKind, Progress
-from core.errors import UpstreamProtocolError
-from core.figures import count_of
-from core.frames import parse_json_object
-from core.sse import SSEEvent, one_data_line
+from prefixpin.adapters.base import Frame, FrameKind, Progress
+from prefixpin.core.errors import UpstreamProtocolError
+from prefixpin.core.figures import count_of
+from prefixpin.core.frames import parse_json_object
+from prefixpin.core.sse import SSEEvent, one_data_line
 
 # The delta fields a plain text chunk carries its text in.
 _TEXT_FIELDS = ("content", "reasoning_content")

@@ -69,11 +69,11 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-    from adapters.h1 import PUSHED_BODY, H1Transport, _Body, _Connection
-    from adapters.llama_server import _LlamaStream
-    from proxy.codecs import codec_of
-    from proxy.generation import Generation
-    from proxy.relay import LiveStream
+    from prefixpin.adapters.h1 import PUSHED_BODY, H1Transport, _Body, _Connection
+    from prefixpin.adapters.llama_server import _LlamaStream
+    from prefixpin.proxy.codecs import codec_of
+    from prefixpin.proxy.generation import Generation
+    from prefixpin.proxy.relay import LiveStream
 
     loop = asyncio.get_running_loop()
     connection = _Connection(loop)
@@ -93,7 +93,7 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     transport: Any = out
     scope: dict[str, Any] = {"type": "http"}
     if batch is not None:  # the tree batches client writes and has the body writer
-        from proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter
+        from prefixpin.proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter
         transport = BatchedTransport(out, batch)  # type: ignore[arg-type]
     cycle = RequestResponseCycle(
         {"type": "http", "method": "POST"},  # type: ignore[typeddict-item]
@@ -116,7 +116,7 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
 
 def _batch_if_any() -> Any:
     try:
-        from proxy.client_writes import WriteBatch
+        from prefixpin.proxy.client_writes import WriteBatch
     except ImportError:  # a tree from before client writes were batched
         return None
     return WriteBatch(asyncio.get_running_loop())
@@ -131,7 +131,7 @@ class _NoFallback(httpx.AsyncBaseTransport):
 
 
 async def measure(streams: int, events: int) -> tuple[float, int]:
-    from proxy.validation import parse_request
+    from prefixpin.proxy.validation import parse_request
 
     raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
                       "stream_options": {"include_usage": True}}).encode()

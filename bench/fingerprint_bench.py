@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fingerprint.messages import Markers, MessageTokenCache, chain_for_messages
-from fingerprint.tokenizer import ModelTokenizer, load_tokenizer, markers_for
-from proxy.models import MODELS, ensure_model
+from prefixpin.fingerprint.messages import Markers, MessageTokenCache, chain_for_messages
+from prefixpin.fingerprint.tokenizer import ModelTokenizer, load_tokenizer, markers_for
+from prefixpin.proxy.models import MODELS, ensure_model
 
 Message = dict[str, Any]
 

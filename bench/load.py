@@ -959,7 +959,7 @@ def resolve_model(name: str) -> str:
         return "fast-model.gguf"
     if name != "auto":
         return name
-    from proxy.models import DEFAULT_MODEL, model_path
+    from prefixpin.proxy.models import DEFAULT_MODEL, model_path
 
     path = model_path(DEFAULT_MODEL)
     return str(path) if path.is_file() else "fast-model.gguf"
@@ -1052,7 +1052,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "load_average_start": load_start,
                     "load_average_end": os.getloadavg()},
-        "setup": {"proxy_cmd": ["python", "-m", "proxy.cli", "serve", "--upstream", "URL",
+        "setup": {"proxy_cmd": ["python", "-m", "prefixpin.proxy.cli", "serve", "--upstream", "URL",
                                 "--port", "P", *setup.proxy_args],
                   "tree": described, "model": setup.model,
                   "implicit_identity": Path(setup.model).is_file(),

@@ -42,8 +42,8 @@ import httpx
 
 from bench.agents.run import ProxyLog
 from bench.provenance import git_revision, host_lines
-from proxy.parking.slotfile import read_slot_tokens
-from proxy.tokens import common_prefix
+from prefixpin.proxy.parking.slotfile import read_slot_tokens
+from prefixpin.proxy.tokens import common_prefix
 from tests.rig.agent_clis import ENGINE_CAP_ARGS, AgentSession
 from tests.rig.agents import ensure_agent
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

@@ -1,16 +1,17 @@
 """A proxy arm run from another source tree, beside this tree's, in one bench run.
 
 ``--before-tree PATH`` (``bench/overhead.py``, ``bench/affinity_latency.py``) adds arms that
-run ``python -m proxy.cli serve`` from PATH, e.g. a ``git worktree`` of an older commit::
+run the proxy's CLI from PATH, e.g. a ``git worktree`` of an older commit::
 
     git worktree add /tmp/pp-before 783c80c
     python bench/overhead.py --before-tree /tmp/pp-before
 
 Both trees' arms run with this venv's interpreter, in their own process, with
-``cwd=TREE`` and ``PYTHONPATH=TREE``: the tree's ``proxy`` and ``adapters`` packages shadow
-the editable install (its import finder comes after ``sys.path``). Which code an arm runs
-is checked before the run, not assumed: the same interpreter, environment and working
-directory import ``proxy.cli`` and report its file, which must lie inside the tree
+``cwd=TREE`` and ``PYTHONPATH=TREE``: the tree's packages shadow the editable install (its
+import finder comes after ``sys.path``). A tree names them ``prefixpin.proxy``, ... or, before
+they installed under one name, ``proxy``, ...: ``Tree.package`` says which. Which code an
+arm runs is checked before the run, not assumed: the same interpreter, environment and
+working directory import the CLI and report its file, which must lie inside the tree
 (recorded in the result with the tree's commit and whether it had local changes).
 
 A tree may run on another interpreter (``python``: a venv made from another Python, with
@@ -36,13 +37,14 @@ HERE = Path(__file__).resolve().parent.parent  # this tree's root
 # What an arm's interpreter imports, and its build (``proxy.interpreter``; {} for a tree
 # older than that module).
 _PROBE = """\
-import json, sys, proxy.cli, adapters
+import importlib, json, sys
+cli = importlib.import_module("{package}proxy.cli")
+adapters = importlib.import_module("{package}adapters")
 try:
-    from proxy.interpreter import interpreter_build
-    build = interpreter_build().fields()
+    build = importlib.import_module("{package}proxy.interpreter").interpreter_build().fields()
 except ImportError:
-    build = {}
-print(proxy.cli.__file__); print(adapters.__file__); print(sys.executable)
+    build = {{}}
+print(cli.__file__); print(adapters.__file__); print(sys.executable)
 print(json.dumps(build))
 """
 
@@ -64,7 +66,7 @@ class Tree:
     @classmethod
     def other(cls, path: Path, python: str | None = None) -> Tree:
         root = path.resolve()
-        if not (root / "proxy" / "cli.py").is_file():
+        if not (root / "proxy" / "cli.py").is_file():  # every tree keeps its folders
             raise SystemExit(f"--before-tree {path}: no proxy/cli.py there")
         if root == HERE:
             raise SystemExit(f"--before-tree {path} is this tree")
@@ -77,16 +79,23 @@ class Tree:
             env["PYTHONPATH"] = str(self.root)
         return env
 
+    @property
+    def package(self) -> str:
+        """The prefix the tree's modules are imported under: "prefixpin." or, for a tree
+        older than the one import name, ""."""
+        return "prefixpin." if (self.root / "prefixpin" / "__init__.py").is_file() else ""
+
     def serve(self) -> list[str]:
-        return [self.python, "-m", "proxy.cli", "serve"]
+        return [self.python, "-m", f"{self.package}proxy.cli", "serve"]
 
     def popen_kwargs(self) -> dict[str, Any]:
         return {"env": self.env(), "cwd": str(self.root)}
 
     def describe(self) -> dict[str, Any]:
         """The tree's commit and the files its arm really imports (checked)."""
-        probe = subprocess.run([self.python, "-c", _PROBE], capture_output=True, text=True,
-                               check=True, **self.popen_kwargs())
+        probe = subprocess.run([self.python, "-c", _PROBE.format(package=self.package)],
+                               capture_output=True, text=True, check=True,
+                               **self.popen_kwargs())
         cli, adapters, executable, build = probe.stdout.splitlines()[:4]
         for module in (cli, adapters):
             if not Path(module).resolve().is_relative_to(self.root):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 try:
-    from core._relay import Relay
+    from prefixpin.core._relay import Relay
 except ImportError:  # not built here (no compiler, not Linux): the Python path does it all
     Relay = None  # type: ignore[assignment,misc,unused-ignore]
 

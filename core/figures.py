@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.frames import Frame, FrameKind, Progress
+from prefixpin.core.frames import Frame, FrameKind, Progress
 
 
 def _names_a_figure(raw: bytes) -> bool:

@@ -5,7 +5,7 @@ file. See :mod:`fingerprint.chain` for what a chain is and why it hashes only th
 of each segment.
 """
 
-from fingerprint.chain import (
+from prefixpin.fingerprint.chain import (
     DEFAULT_BAR,
     DEFAULT_EDGE,
     Chain,
@@ -17,7 +17,7 @@ from fingerprint.chain import (
     shared_leading,
     start_chain,
 )
-from fingerprint.messages import (
+from prefixpin.fingerprint.messages import (
     CHECKPOINT_EVERY,
     TOOL_RESULT_CHARS,
     CacheStats,

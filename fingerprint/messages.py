@@ -23,7 +23,7 @@ from typing import Protocol
 
 from blake3 import blake3
 
-from fingerprint.chain import DEFAULT_EDGE, Chain, extend, start_chain
+from prefixpin.fingerprint.chain import DEFAULT_EDGE, Chain, extend, start_chain
 
 __all__ = [
     "CHECKPOINT_EVERY",

@@ -32,8 +32,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from fingerprint.gguf_metadata import read_metadata
-from fingerprint.messages import Markers
+from prefixpin.fingerprint.gguf_metadata import read_metadata
+from prefixpin.fingerprint.messages import Markers
 
 __all__ = [
     "KNOWN_MARKERS",

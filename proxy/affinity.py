@@ -30,22 +30,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from adapters.base import EngineInfo
-from core.errors import ProxyError
-from fingerprint import Chain, nominates, shared_leading
-from proxy.history import Committed, Shape, Verdict, decide, digest, shape_digest
-from proxy.identity import ExplicitIdentity
-from proxy.implicit import Fingerprinter
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.parking import ParkManager
-from proxy.parking.anchor import Anchorer
-from proxy.parking.openings import Openings
-from proxy.placement import Lease, SlotPool, Want
-from proxy.repair import Applied, Repairer
-from proxy.service import Backend, Incoming, Outcome, Plan
-from proxy.sessions import NOMINATION_BAR, Kind, Session, SessionStore, TurnFigures
-from proxy.validation import ClientRequest
+from prefixpin.adapters.base import EngineInfo
+from prefixpin.core.errors import ProxyError
+from prefixpin.fingerprint import Chain, nominates, shared_leading
+from prefixpin.proxy.history import Committed, Shape, Verdict, decide, digest, shape_digest
+from prefixpin.proxy.identity import ExplicitIdentity
+from prefixpin.proxy.implicit import Fingerprinter
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.parking import ParkManager
+from prefixpin.proxy.parking.anchor import Anchorer
+from prefixpin.proxy.parking.openings import Openings
+from prefixpin.proxy.placement import Lease, SlotPool, Want
+from prefixpin.proxy.repair import Applied, Repairer
+from prefixpin.proxy.service import Backend, Incoming, Outcome, Plan
+from prefixpin.proxy.sessions import NOMINATION_BAR, Kind, Session, SessionStore, TurnFigures
+from prefixpin.proxy.validation import ClientRequest
 
 Tier = Literal["explicit", "implicit", "none"]
 DecisionOutcome = Literal["resumed", "rewound", "new"]

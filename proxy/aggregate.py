@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from adapters.base import Frame, FrameKind
+from prefixpin.adapters.base import Frame, FrameKind
 
 # Top-level chunk fields a non-streamed answer never has.
 STREAM_ONLY = frozenset({"prompt_progress"})

@@ -41,19 +41,19 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.errors import PayloadTooLargeError, ProxyError, error_response, openai_error
-from proxy.codecs import Codec
-from proxy.codecs import routes as codec_routes
-from proxy.logs import get_logger
-from proxy.metrics import Metrics
-from proxy.passthrough import TENANT_PATHS, forward
-from proxy.paths import canonical_paths
-from proxy.router import Router, headers_of, open_router
-from proxy.service import ProxyService
-from proxy.sessions import SessionStore
-from proxy.settings import Settings
-from proxy.tenants import CREDENTIAL_HEADERS
-from proxy.validation import read_body
+from prefixpin.core.errors import PayloadTooLargeError, ProxyError, error_response, openai_error
+from prefixpin.proxy.codecs import Codec
+from prefixpin.proxy.codecs import routes as codec_routes
+from prefixpin.proxy.logs import get_logger
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.passthrough import TENANT_PATHS, forward
+from prefixpin.proxy.paths import canonical_paths
+from prefixpin.proxy.router import Router, headers_of, open_router
+from prefixpin.proxy.service import ProxyService
+from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.tenants import CREDENTIAL_HEADERS
+from prefixpin.proxy.validation import read_body
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]

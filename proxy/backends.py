@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
-from proxy.history import digest
-from proxy.identity import explicit_identity
-from proxy.settings import Settings
+from prefixpin.proxy.history import digest
+from prefixpin.proxy.identity import explicit_identity
+from prefixpin.proxy.settings import Settings
 
 if TYPE_CHECKING:
-    from proxy.lane import Lane
+    from prefixpin.proxy.lane import Lane
 
 MIN_WEIGHT_SHARE = 0.05
 RAW_PROMPT_ANCHOR = 1024

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from proxy.settings import Settings
+from prefixpin.proxy.settings import Settings
 
 # flag -> (settings field, type, help). Every flag defaults to "not given", so the
 # environment and the Settings defaults apply unless the flag is on the command line.
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (field, text) in OPTIONS.items():
         serve.add_argument(f"--{name}", dest=field, action=argparse.BooleanOptionalAction,
                            help=text)
-    from proxy.doctor import add_arguments as add_doctor_arguments
+    from prefixpin.proxy.doctor import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(commands.add_parser(
         "doctor", help="check a llama-server for settings that defeat prompt caching"))
@@ -236,7 +236,7 @@ def parse_upstream_line(line: str, where: str = "") -> UpstreamEntry:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from proxy.doctor import main_from_args
+        from prefixpin.proxy.doctor import main_from_args
 
         return main_from_args(args)
     try:
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefixpin: invalid settings: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from proxy.server import serve
+        from prefixpin.proxy.server import serve
 
         return serve(settings)
     return 2

@@ -35,7 +35,7 @@ import asyncio
 import time
 from typing import Any
 
-from core.compiled_relay import CompiledRelay
+from prefixpin.core.compiled_relay import CompiledRelay
 
 # The longest a byte is kept when the turn goes on (checked as other connections write):
 # a turn that reads engine events is a few milliseconds even at hundreds of streams, one

@@ -47,16 +47,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from core.cpu import AMX_CRASH, crash_advice, has_amx
-from core.errors import UpstreamUnavailableError
-from proxy.engine_facts import (
+from prefixpin.core.cpu import AMX_CRASH, crash_advice, has_amx
+from prefixpin.core.errors import UpstreamUnavailableError
+from prefixpin.proxy.engine_facts import (
     FLAG_SPECS,
     KV_TYPE_BYTES,
     ModelFacts,
     ServerFlags,
     read_engine_facts,
 )
-from proxy.tokens import common_prefix
+from prefixpin.proxy.tokens import common_prefix
 
 Status = Literal["problem", "warning", "ok", "unknown"]
 
@@ -779,7 +779,7 @@ def _slot_similarity(obs: Observations) -> Finding:
 def _shared_cache(obs: Observations) -> Finding:
     """llama-server's host prompt cache is shared by all slots: with several tenants on
     one server, one can learn from ``cached_tokens`` whether it guessed another's prefix."""
-    from proxy.isolation import FIX
+    from prefixpin.proxy.isolation import FIX
 
     probes = obs.probes
     probed = probes.shared_cache if probes else None

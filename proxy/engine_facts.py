@@ -306,7 +306,7 @@ def read_model(props: Mapping[str, Any],
     if not Path(path).is_file():
         return None, f"{path} is not readable here (another host or container?)"
     # Imported here: gguf pulls in numpy, which `prefixpin serve` does not need at start.
-    from fingerprint.gguf_metadata import GgufFormatError, read_metadata
+    from prefixpin.fingerprint.gguf_metadata import GgufFormatError, read_metadata
 
     try:
         return model_facts(read_metadata(path)), f"GGUF metadata of {path}"

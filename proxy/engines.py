@@ -25,31 +25,31 @@ from typing import Any
 
 import httpx
 
-from adapters.base import Adapter, EngineInfo
-from adapters.h1 import engine_transport
-from adapters.http import EngineClient, EngineKey
-from adapters.llama_server import LlamaServerAdapter
-from adapters.ollama import OllamaAdapter, detect_engine
-from proxy.affinity import AffinityPlanner
-from proxy.engine_facts import ServerFlags, local_server_flags
-from proxy.implicit import Fingerprinter, load_fingerprinter
-from proxy.lane import Lane, SharedState
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.ollama import OllamaPlanner
-from proxy.parking import ParkManager, open_parking
-from proxy.parking.anchor import Anchorer
-from proxy.parking.limits import EngineLimits, limits_from
-from proxy.parking.openings import Openings
-from proxy.placement import SlotPool
-from proxy.repair import RepairConfig, Repairer
-from proxy.service import Planner
-from proxy.sessions import Session, SessionStore
-from proxy.settings import Settings
-from proxy.shared import SharedStatePlanner
-from proxy.system_turns import refuses_mid_system
-from proxy.tokens import TokenCounter
-from proxy.validation import Api
+from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.adapters.h1 import engine_transport
+from prefixpin.adapters.http import EngineClient, EngineKey
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
+from prefixpin.proxy.affinity import AffinityPlanner
+from prefixpin.proxy.engine_facts import ServerFlags, local_server_flags
+from prefixpin.proxy.implicit import Fingerprinter, load_fingerprinter
+from prefixpin.proxy.lane import Lane, SharedState
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.ollama import OllamaPlanner
+from prefixpin.proxy.parking import ParkManager, open_parking
+from prefixpin.proxy.parking.anchor import Anchorer
+from prefixpin.proxy.parking.limits import EngineLimits, limits_from
+from prefixpin.proxy.parking.openings import Openings
+from prefixpin.proxy.placement import SlotPool
+from prefixpin.proxy.repair import RepairConfig, Repairer
+from prefixpin.proxy.service import Planner
+from prefixpin.proxy.sessions import Session, SessionStore
+from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.shared import SharedStatePlanner
+from prefixpin.proxy.system_turns import refuses_mid_system
+from prefixpin.proxy.tokens import TokenCounter
+from prefixpin.proxy.validation import Api
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,7 @@ async def redetect(settings: Settings, adapter: Adapter, logger: logging.Logger,
 
 async def open_embedded_adapter(settings: Settings) -> Adapter:
     # Imported here: the embedded engine needs the `embedded` extra (llama-cpp-python).
-    from adapters.embedded import EmbeddedAdapter, EngineConfig
+    from prefixpin.adapters.embedded import EmbeddedAdapter, EngineConfig
 
     if settings.model is None:
         raise ValueError("the embedded engine needs settings.model (the CLI resolves it)")
@@ -297,7 +297,7 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     pool: SlotPool
     refresh: Callable[[], Awaitable[None]] | None = None
     if shared is not None:
-        from proxy.cluster.slots import SharedSlotPool
+        from prefixpin.proxy.cluster.slots import SharedSlotPool
 
         shared_pool = SharedSlotPool(shared.cluster, lane.label, info.n_slots, logger,
                                      on_evict=on_evict)

@@ -21,18 +21,18 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from adapters.base import Frame, FrameKind, Progress, UpstreamStream, pusher_of
-from core.errors import (
+from prefixpin.adapters.base import Frame, FrameKind, Progress, UpstreamStream, pusher_of
+from prefixpin.core.errors import (
     GenerationCancelledError,
     ProxyError,
     UpstreamProtocolError,
     UpstreamStatusError,
 )
-from proxy.logs import get_logger
+from prefixpin.proxy.logs import get_logger
 
 if TYPE_CHECKING:
-    from adapters.h1 import RelayHandoff
-    from adapters.openai_sse import TokenShape
+    from prefixpin.adapters.h1 import RelayHandoff
+    from prefixpin.adapters.openai_sse import TokenShape
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 # Read per frame: globals, not enum lookups.

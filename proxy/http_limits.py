@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core import compiled_relay as relay_core
-from core.errors import openai_error
-from proxy.client_writes import (
+from prefixpin.core import compiled_relay as relay_core
+from prefixpin.core.errors import openai_error
+from prefixpin.proxy.client_writes import (
     BODY_WRITER,
     RELAY_CLIENT,
     BatchedTransport,

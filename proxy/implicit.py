@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fingerprint import (
+from prefixpin.fingerprint import (
     Chain,
     ChainMemo,
     Markers,
@@ -23,8 +23,13 @@ from fingerprint import (
     prefix_keys,
     start_chain,
 )
-from fingerprint.tokenizer import ModelTokenizer, TokenizerLoadError, load_tokenizer, markers_for
-from proxy.logs import log_event
+from prefixpin.fingerprint.tokenizer import (
+    ModelTokenizer,
+    TokenizerLoadError,
+    load_tokenizer,
+    markers_for,
+)
+from prefixpin.proxy.logs import log_event
 
 Message = Mapping[str, Any]
 Normalize = Callable[[Sequence[Message]], Sequence[Message]]

@@ -31,8 +31,8 @@ from typing import Any
 
 import blake3
 
-from proxy.generation import Generation
-from proxy.history import canonical_bytes
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.history import canonical_bytes
 
 VIEW_FIELDS = frozenset({"stream", "stream_options", "return_progress"})
 RETRY_HEADER = "x-stainless-retry-count"

@@ -24,7 +24,7 @@ SDKs retry 409s.)
 
 from __future__ import annotations
 
-from core.errors import ClientError
+from prefixpin.core.errors import ClientError
 
 FIX = ("run llama-server with --cache-ram 0 (prefixpin's per-tenant parking then stands in "
        "for its host cache), or dedicate the backend to this tenant (namespace= in the "

@@ -9,18 +9,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from proxy.backends import Load
-from proxy.service import ProxyService
-from proxy.watch import EngineWatch
+from prefixpin.proxy.backends import Load
+from prefixpin.proxy.service import ProxyService
+from prefixpin.proxy.watch import EngineWatch
 
 if TYPE_CHECKING:  # the redis package is only needed with --redis
-    from proxy.cluster.core import Cluster
-    from proxy.cluster.sessions import SharedSessions
-    from proxy.engine_facts import ServerFlags
-    from proxy.ollama import OllamaPlanner
-    from proxy.parking import ParkManager
-    from proxy.parking.anchor import Anchorer
-    from proxy.parking.openings import Openings
+    from prefixpin.proxy.cluster.core import Cluster
+    from prefixpin.proxy.cluster.sessions import SharedSessions
+    from prefixpin.proxy.engine_facts import ServerFlags
+    from prefixpin.proxy.ollama import OllamaPlanner
+    from prefixpin.proxy.parking import ParkManager
+    from prefixpin.proxy.parking.anchor import Anchorer
+    from prefixpin.proxy.parking.openings import Openings
 
 
 NOT_PROBED = ("assumed shared: the engine has not answered yet (llama-server's host prompt "

@@ -49,18 +49,18 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.http import map_httpx_errors
-from core.errors import UpstreamError
-from core.figures import Figures
-from proxy.affinity import AffinityPlanner
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.passthrough import forward
-from proxy.placement import Lease
-from proxy.service import Backend, Incoming, Outcome, Plan
-from proxy.sessions import Session
-from proxy.tenants import CREDENTIAL_HEADERS
-from proxy.validation import ClientRequest
+from prefixpin.adapters.http import map_httpx_errors
+from prefixpin.core.errors import UpstreamError
+from prefixpin.core.figures import Figures
+from prefixpin.proxy.affinity import AffinityPlanner
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.passthrough import forward
+from prefixpin.proxy.placement import Lease
+from prefixpin.proxy.service import Backend, Incoming, Outcome, Plan
+from prefixpin.proxy.sessions import Session
+from prefixpin.proxy.tenants import CREDENTIAL_HEADERS
+from prefixpin.proxy.validation import ClientRequest
 
 # A load takes hundreds of milliseconds (a runner process starts and reads the weights);
 # a warm request's load_duration is a few milliseconds (0.35.1 recordings: 0.78 s and

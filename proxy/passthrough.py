@@ -14,8 +14,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from adapters.http import FORWARDED, OPERATOR, map_httpx_errors
-from proxy.paths import PathRejected, is_canonical
+from prefixpin.adapters.http import FORWARDED, OPERATOR, map_httpx_errors
+from prefixpin.proxy.paths import PathRejected, is_canonical
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to one connection, never forwarded.
 HOP_BY_HOP = frozenset({

@@ -67,8 +67,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.errors import BadRequestError, error_response
-from proxy.logs import get_logger
+from prefixpin.core.errors import BadRequestError, error_response
+from prefixpin.proxy.logs import get_logger
 
 __all__ = ["PathRejected", "canonical_path", "canonical_paths", "is_canonical"]
 

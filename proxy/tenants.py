@@ -33,8 +33,8 @@ from pathlib import Path
 
 import blake3
 
-from core.errors import ClientError
-from proxy.logs import log_event
+from prefixpin.core.errors import ClientError
+from prefixpin.proxy.logs import log_event
 
 ANONYMOUS = "anon"
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")

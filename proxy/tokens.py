@@ -19,8 +19,8 @@ from typing import Any
 
 import blake3
 
-from fingerprint import Encoder
-from proxy.history import canonical
+from prefixpin.fingerprint import Encoder
+from prefixpin.proxy.history import canonical
 
 PER_MESSAGE_OVERHEAD = 6  # role header and end-of-turn markers of a chat template
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import orjson
 from starlette.requests import ClientDisconnect
 
-from core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
+from prefixpin.core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
 
 Endpoint = Literal["chat", "completions", "infill"]
 # The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;

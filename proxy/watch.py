@@ -17,12 +17,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
-from adapters.base import Adapter, EngineInfo
-from core.cpu import crash_advice
-from core.errors import UpstreamError, UpstreamTimeoutError
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.service import Backend
+from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.core.cpu import crash_advice
+from prefixpin.core.errors import UpstreamError, UpstreamTimeoutError
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.service import Backend
 
 RestartHook = Callable[[EngineInfo, EngineInfo], Awaitable[None]]
 LostHook = Callable[[str], None]  # called with the reason, once per loss

@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 import yaml
 
-from proxy.settings import Settings
+from prefixpin.proxy.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

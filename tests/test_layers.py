@@ -15,7 +15,9 @@ across a layer boundary is still a dependency the layering forbids.
     adapters      imports core/ only (never proxy/)
     proxy         anything
 
-and no package imports another's private module (``_name``).
+and no package imports another's private module (``_name``). The packages install under one
+import name, ``prefixpin`` (``prefixpin.proxy``, ...): the graph names modules without it, and
+no module of the product, the tests or the benches imports a package by its bare name.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "adapters", "proxy", "fingerprint")
+DISTRIBUTION = "prefixpin"  # the one import name the packages install under
 
 # package -> project packages it must never import
 FORBIDDEN: dict[str, frozenset[str]] = {
@@ -80,9 +83,15 @@ def _visits(node: ast.AST, module_level: bool
         yield from _visits(inner, module_level)
 
 
+def in_product(absolute: str) -> str:
+    """``prefixpin.proxy.app`` -> ``proxy.app``; "" for a module outside the product."""
+    head, _, rest = absolute.partition(".")
+    return rest if head == DISTRIBUTION else ""
+
+
 def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     if node.level == 0:
-        return node.module or ""
+        return in_product(node.module or "")
     base = importer.split(".") if is_package else importer.split(".")[:-1]
     base = base[:len(base) - (node.level - 1)]
     return ".".join([*base, *([node.module] if node.module else [])])
@@ -95,7 +104,7 @@ def imports_of(source: str, importer: str, modules: Mapping[str, object], *,
     tree = ast.parse(source)
     for node, module_level in _visits(tree, True):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            targets = [in_product(alias.name) for alias in node.names]
         else:
             package = _absolute(node, importer, is_package)
             targets = [f"{package}.{alias.name}" if f"{package}.{alias.name}" in modules
@@ -235,6 +244,33 @@ def test_no_package_imports_another_packages_private_module() -> None:
     assert not private_module("adapters.http")
 
 
+def bare_imports(source: str) -> list[int]:
+    """The lines of ``source`` that import a product package by its bare name
+    (``import proxy``, ``from core.sse import ...``) rather than under ``prefixpin``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [node.lineno for name in names if name.split(".")[0] in PACKAGES]
+    return found
+
+
+def test_every_import_names_the_one_distribution() -> None:
+    """Installed, the packages exist only as ``prefixpin.*``: a bare ``import proxy`` would
+    work in a checkout (the folders sit at its root) and fail everywhere else."""
+    sources = [path for folder in (*PACKAGES, "tests", "bench")
+               for path in sorted((ROOT / folder).rglob("*.py"))]
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in sources
+                 for line in bare_imports(path.read_text())]
+    assert not offenders, "bare imports of a product package:\n" + "\n".join(offenders)
+    assert bare_imports("import proxy.app\nfrom core import sse\nfrom prefixpin import core\n"
+                        "from .core import x\n") == [1, 2]
+
+
 def test_the_graph_sees_the_modules_it_must() -> None:
     """The graph is not vacuous: it holds every package and known edges, and leaves out
     a type-only import and a lazy one."""
@@ -253,24 +289,24 @@ def test_the_graph_sees_the_modules_it_must() -> None:
 SAMPLE = '''
 from __future__ import annotations
 import os
-import proxy.a
-from proxy import b
-from proxy.c import name
+import prefixpin.proxy.a
+from prefixpin.proxy import b
+from prefixpin.proxy.c import name
 from . import d
 from .e import thing
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
-    from proxy import f
+    from prefixpin.proxy import f
 else:
-    from proxy import g
+    from prefixpin.proxy import g
 try:
-    from proxy import h
+    from prefixpin.proxy import h
 except ImportError:
-    from proxy import i
+    from prefixpin.proxy import i
 class K:
-    from proxy import j
+    from prefixpin.proxy import j
 def lazy() -> None:
-    from proxy import k
+    from prefixpin.proxy import k
 '''
 
 

@@ -5,6 +5,7 @@ tests (the test rig is tests/rig/, which product code never imports)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -52,8 +53,9 @@ PACKAGES = ("core", "proxy", "adapters", "fingerprint")
 
 def test_the_wheel_holds_the_packages_and_no_test_rig(tmp_path: Path) -> None:
     """The wheel, built offline from a copy of the tree (tests/ and bench/ included, so
-    leaving them out is the packaging's doing): the four packages, the default model's
-    fetch, and no test rig, tests or benches."""
+    leaving them out is the packaging's doing): the four packages under the one import name
+    ``prefixpin``, the default model's fetch, and no test rig, fake, tests or benches.
+    Installed, it puts exactly one top-level package where it goes, and that one runs."""
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", "test-artifacts",
@@ -70,11 +72,27 @@ def test_the_wheel_holds_the_packages_and_no_test_rig(tmp_path: Path) -> None:
         names = archive.namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(
         ".dist-info")}
-    assert tops == set(PACKAGES)
-    assert {f"{package}/__init__.py" for package in PACKAGES} <= set(names)
-    assert "proxy/models.py" in names  # prefixpin serve's default model fetch
+    assert tops == {"prefixpin"}
+    assert {f"prefixpin/{package}/__init__.py" for package in PACKAGES} <= set(names)
+    assert "prefixpin/proxy/models.py" in names  # prefixpin serve's default model fetch
     parts = {part.removesuffix(".py") for name in names for part in name.split("/")}
-    assert not parts & {"rig", "tests", "bench"}, sorted(parts & {"rig", "tests", "bench"})
+    test_weight = {"rig", "tests", "bench", "fakes", "fake_ollama", "faults"}
+    assert not parts & test_weight, sorted(parts & test_weight)
+
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+         "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert {entry.name for entry in site.iterdir() if not entry.name.endswith(
+        ".dist-info") and entry.name != "bin"} == {"prefixpin"}
+    # PYTHONPATH comes before this venv's editable finder: the wheel's copy is the one run.
+    ran = subprocess.run(
+        [sys.executable, "-c", "import prefixpin.proxy.cli as cli; print(cli.__file__)"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True,
+        text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert Path(ran.stdout.strip()).is_relative_to(site)
 
 
 def test_product_code_never_imports_tests_or_bench() -> None:
@@ -98,4 +116,4 @@ def test_product_code_never_imports_tests_or_bench() -> None:
 def test_the_dockerfile_copies_exactly_the_packages() -> None:
     """The image installs from the packages alone (no tests, rig or benches), all of them."""
     copied = re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M)
-    assert sorted(copied) == sorted(PACKAGES)
+    assert sorted(copied) == sorted([*PACKAGES, "prefixpin"])

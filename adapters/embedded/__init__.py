@@ -30,16 +30,16 @@ imported when a model is loaded (``llama.load_bindings``), the template module w
 engine starts, so the proxy's light install (no ``embedded`` extra) can import it.
 """
 
-from adapters.embedded.adapter import EmbeddedEngine, EngineConfig, create_engine_app
-from adapters.embedded.client import EmbeddedAdapter
-from adapters.embedded.errors import (
+from prefixpin.adapters.embedded.adapter import EmbeddedEngine, EngineConfig, create_engine_app
+from prefixpin.adapters.embedded.client import EmbeddedAdapter
+from prefixpin.adapters.embedded.errors import (
     ApiError,
     ContextSizeError,
     EmbeddedEngineError,
     EngineBackendError,
     ModelLoadError,
 )
-from adapters.embedded.llama import check_gguf_file
+from prefixpin.adapters.embedded.llama import check_gguf_file
 
 __all__ = [
     "ApiError",

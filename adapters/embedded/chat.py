@@ -24,8 +24,8 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from adapters.embedded.errors import ApiError
-from adapters.embedded.wire import compact_json
+from prefixpin.adapters.embedded.errors import ApiError
+from prefixpin.adapters.embedded.wire import compact_json
 
 # llama-server's fallback when a GGUF carries no template (common/chat.cpp, CHATML_TEMPLATE_SRC).
 CHATML_TEMPLATE = (

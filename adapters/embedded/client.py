@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from adapters.embedded.adapter import EngineConfig
-from adapters.embedded.supervisor import EngineSupervisor
-from adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.embedded.adapter import EngineConfig
+from prefixpin.adapters.embedded.supervisor import EngineSupervisor
+from prefixpin.adapters.llama_server import LlamaServerAdapter
 
 
 class EmbeddedAdapter(LlamaServerAdapter):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.embedded.errors import EngineBackendError
-from adapters.embedded.llama import LlamaModel
+from prefixpin.adapters.embedded.errors import EngineBackendError
+from prefixpin.adapters.embedded.llama import LlamaModel
 
 # llama.h: LLAMA_DEFAULT_SEED, "pick a random seed".
 DEFAULT_SEED = 0xFFFFFFFF

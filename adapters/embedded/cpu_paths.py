@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.cpu import library_has_amx
+from prefixpin.core.cpu import library_has_amx
 
 Repack = Literal["auto", "on", "off"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from adapters.embedded.context import SamplingParams
-from adapters.embedded.request import sampling_params_json
+from prefixpin.adapters.embedded.context import SamplingParams
+from prefixpin.adapters.embedded.request import sampling_params_json
 
 if TYPE_CHECKING:  # adapter imports this module (METRIC_HELP)
-    from adapters.embedded.adapter import EmbeddedEngine
+    from prefixpin.adapters.embedded.adapter import EmbeddedEngine
 
 # The llama-server counters /metrics reports (server-task.cpp, to_metrics), with its help.
 METRIC_HELP = {

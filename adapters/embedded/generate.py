@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from adapters.embedded.context import Sampler, SamplingParams, SlotContext
-from adapters.embedded.errors import ApiError, EngineBackendError
-from adapters.embedded.llama import LlamaModel
+from prefixpin.adapters.embedded.context import Sampler, SamplingParams, SlotContext
+from prefixpin.adapters.embedded.errors import ApiError, EngineBackendError
+from prefixpin.adapters.embedded.llama import LlamaModel
 
 STOP_NONE, STOP_EOS, STOP_WORD, STOP_LIMIT = "none", "eos", "word", "limit"
 

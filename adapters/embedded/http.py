@@ -19,17 +19,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from adapters.embedded.errors import ApiError
-from adapters.embedded.facts import (
+from prefixpin.adapters.embedded.errors import ApiError
+from prefixpin.adapters.embedded.facts import (
     fs_validate_filename,
     metrics_text,
     server_models,
     server_props,
 )
-from adapters.embedded.generate import STOP_LIMIT, Event, Failed, Finished, SlotStats
-from adapters.embedded.job import Job
-from adapters.embedded.request import CompletionOptions, parse_json_body, parse_options
-from adapters.embedded.wire import (
+from prefixpin.adapters.embedded.generate import STOP_LIMIT, Event, Failed, Finished, SlotStats
+from prefixpin.adapters.embedded.job import Job
+from prefixpin.adapters.embedded.request import CompletionOptions, parse_json_body, parse_options
+from prefixpin.adapters.embedded.wire import (
     SSE_DONE,
     ChatRenderer,
     Renderer,
@@ -39,10 +39,10 @@ from adapters.embedded.wire import (
     is_last,
     sse,
 )
-from core.streaming import wait_disconnect
+from prefixpin.core.streaming import wait_disconnect
 
 if TYPE_CHECKING:  # adapter imports this module (build_routes)
-    from adapters.embedded.adapter import EmbeddedEngine
+    from prefixpin.adapters.embedded.adapter import EmbeddedEngine
 
 
 T = TypeVar("T")

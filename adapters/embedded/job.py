@@ -6,10 +6,16 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from adapters.embedded.errors import ApiError
-from adapters.embedded.generate import Event, Failed, Finished, GenerationTask, run_generation
-from adapters.embedded.llama import LlamaModel
-from adapters.embedded.slots import Slot
+from prefixpin.adapters.embedded.errors import ApiError
+from prefixpin.adapters.embedded.generate import (
+    Event,
+    Failed,
+    Finished,
+    GenerationTask,
+    run_generation,
+)
+from prefixpin.adapters.embedded.llama import LlamaModel
+from prefixpin.adapters.embedded.slots import Slot
 
 
 class Job:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from adapters.embedded.errors import EngineBackendError, ModelLoadError
+from prefixpin.adapters.embedded.errors import EngineBackendError, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 _GGML_LOG_LEVEL_CONT = 5  # ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from adapters.embedded.context import SamplingParams
-from adapters.embedded.errors import ApiError
+from prefixpin.adapters.embedded.context import SamplingParams
+from prefixpin.adapters.embedded.errors import ApiError
 
 T = TypeVar("T")
 

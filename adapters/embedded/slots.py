@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from adapters.embedded.context import SlotContext
-from adapters.embedded.errors import ApiError, EngineBackendError
-from adapters.embedded.generate import SlotState, SlotStats, common_prefix
-from adapters.embedded.llama import LlamaModel
+from prefixpin.adapters.embedded.context import SlotContext
+from prefixpin.adapters.embedded.errors import ApiError, EngineBackendError
+from prefixpin.adapters.embedded.generate import SlotState, SlotStats, common_prefix
+from prefixpin.adapters.embedded.llama import LlamaModel
 
 # --slot-prompt-similarity default: reuse a slot only if it holds > 10 % of the new prompt.
 SLOT_PROMPT_SIMILARITY = 0.10

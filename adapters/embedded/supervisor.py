@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.embedded.adapter import EngineConfig
-from adapters.embedded.errors import ModelLoadError
+from prefixpin.adapters.embedded.adapter import EngineConfig
+from prefixpin.adapters.embedded.errors import ModelLoadError
 
 _LOG = logging.getLogger("prefixpin.embedded")
 
@@ -145,7 +145,7 @@ class EngineSupervisor:
     async def _spawn(self) -> _Worker:
         self.socket_path.unlink(missing_ok=True)
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "adapters.embedded.worker", self.config.to_json(),
+            sys.executable, "-m", "prefixpin.adapters.embedded.worker", self.config.to_json(),
             str(self.socket_path), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             # Its own session: a terminal's Ctrl-C reaches the proxy, which stops the worker

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.embedded.generate import (
+from prefixpin.adapters.embedded.generate import (
     STOP_EOS,
     STOP_WORD,
     Event,

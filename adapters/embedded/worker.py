@@ -1,6 +1,6 @@
 """The embedded engine's worker process: llama.cpp loaded here, not in the proxy.
 
-``python -m adapters.embedded.worker CONFIG_JSON SOCKET`` loads the model, binds the Unix
+``python -m prefixpin.adapters.embedded.worker CONFIG_JSON SOCKET`` loads the model, binds the Unix
 socket, writes one JSON line to stdout (``{"ready": true}`` or ``{"error": "..."}``) and
 serves llama-server's HTTP API (``create_engine_app``) on the socket until its stdin
 closes: the supervisor (``adapters.embedded.supervisor``) holds the other end, so a proxy
@@ -21,8 +21,8 @@ from typing import Any
 
 import uvicorn
 
-from adapters.embedded.adapter import EngineConfig, create_engine_app
-from adapters.embedded.errors import EmbeddedEngineError
+from prefixpin.adapters.embedded.adapter import EngineConfig, create_engine_app
+from prefixpin.adapters.embedded.errors import EmbeddedEngineError
 
 
 def _say(message: dict[str, Any]) -> None:

@@ -81,8 +81,8 @@ def _guard_requests() -> None:
 def _tenant_serves(method: str, path: str) -> bool:
     """Whether prefixpin's tenant port answers ``method path`` itself (its pipeline routes,
     ``/healthz`` and the read-only allow-list), read from the project's own tables."""
-    from proxy.codecs import routes as codec_routes
-    from proxy.passthrough import TENANT_PATHS
+    from prefixpin.proxy.codecs import routes as codec_routes
+    from prefixpin.proxy.passthrough import TENANT_PATHS
 
     path = path.partition("?")[0]
     if method == "POST" and path in codec_routes():
@@ -96,8 +96,8 @@ class _Proxy:
     """prefixpin in front of one llama-server, in this process."""
 
     def __init__(self, upstream: str) -> None:
-        from proxy.app import create_apps
-        from proxy.settings import Settings
+        from prefixpin.proxy.app import create_apps
+        from prefixpin.proxy.settings import Settings
         from tests.fakes.servers import serve_proxy
 
         self.stack = contextlib.ExitStack()

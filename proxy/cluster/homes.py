@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.cluster.core import Cluster
+from prefixpin.proxy.cluster.core import Cluster
 
 HOME_TTL_S = 24 * 3600
 

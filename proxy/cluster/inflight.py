@@ -38,17 +38,17 @@ from typing import Any, cast
 import orjson
 import redis
 
-from adapters.base import Frame, FrameKind, Progress
-from core.errors import (
+from prefixpin.adapters.base import Frame, FrameKind, Progress
+from prefixpin.core.errors import (
     GenerationCancelledError,
     ProxyError,
     UpstreamStatusError,
     UpstreamUnavailableError,
 )
-from proxy.cluster.core import REPLICA_TTL_S, Cluster
-from proxy.generation import Generation, Head
-from proxy.inflight import Entry, InFlight, JoinIntent
-from proxy.logs import log_event
+from prefixpin.proxy.cluster.core import REPLICA_TTL_S, Cluster
+from prefixpin.proxy.generation import Generation, Head
+from prefixpin.proxy.inflight import Entry, InFlight, JoinIntent
+from prefixpin.proxy.logs import log_event
 
 CLAIM_TTL_S = 10.0  # renewed every third while planning or running
 WATCH_TTL_S = 6.0

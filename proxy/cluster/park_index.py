@@ -25,9 +25,9 @@ from typing import Any
 import blake3
 import orjson
 
-from proxy.cluster.core import Cluster
-from proxy.history import Committed
-from proxy.parking.index import ParkRecord, record_from_json, record_to_json
+from prefixpin.proxy.cluster.core import Cluster
+from prefixpin.proxy.history import Committed
+from prefixpin.proxy.parking.index import ParkRecord, record_from_json, record_to_json
 
 # KEYS: record, all, used, lookup set, owners, the owner's "of" key (or the none key).
 # ARGV: id, record JSON, all entry, last use, owner ("": none).

@@ -28,13 +28,13 @@ import blake3
 import orjson
 import redis
 
-from fingerprint import Chain
-from fingerprint.chain import Edges
-from proxy.cluster.core import Cluster
-from proxy.history import Committed
-from proxy.logs import log_event
-from proxy.repair import RepairMemory
-from proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
+from prefixpin.fingerprint import Chain
+from prefixpin.fingerprint.chain import Edges
+from prefixpin.proxy.cluster.core import Cluster
+from prefixpin.proxy.history import Committed
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.repair import RepairMemory
+from prefixpin.proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
 
 KEYLESS_CANDIDATES = 32  # most recent keyless sessions of a namespace read per request
 TTL_S = 24 * 3600

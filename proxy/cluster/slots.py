@@ -32,13 +32,13 @@ from typing import Any
 import orjson
 import redis
 
-from adapters.base import EngineInfo
-from core.errors import QueueTimeoutError
-from proxy.backends import Load
-from proxy.cluster.core import Cluster
-from proxy.logs import log_event
-from proxy.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
-from proxy.shared import SharedStateError
+from prefixpin.adapters.base import EngineInfo
+from prefixpin.core.errors import QueueTimeoutError
+from prefixpin.proxy.backends import Load
+from prefixpin.proxy.cluster.core import Cluster
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
+from prefixpin.proxy.shared import SharedStateError
 
 LOCK_TTL_S = 15.0
 POLL_S = 0.05

@@ -61,13 +61,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.codecs.anthropic import AnthropicCodec
-from proxy.codecs.base import Codec, StreamEncoder
-from proxy.codecs.llama_native import LlamaNativeCodec
-from proxy.codecs.ollama_ndjson import OllamaCodec
-from proxy.codecs.openai_sse import OpenAICodec
-from proxy.codecs.responses import ResponsesCodec
-from proxy.validation import Api, ClientRequest, Endpoint
+from prefixpin.proxy.codecs.anthropic import AnthropicCodec
+from prefixpin.proxy.codecs.base import Codec, StreamEncoder
+from prefixpin.proxy.codecs.llama_native import LlamaNativeCodec
+from prefixpin.proxy.codecs.ollama_ndjson import OllamaCodec
+from prefixpin.proxy.codecs.openai_sse import OpenAICodec
+from prefixpin.proxy.codecs.responses import ResponsesCodec
+from prefixpin.proxy.validation import Api, ClientRequest, Endpoint
 
 __all__ = ["Codec", "StreamEncoder", "codec_at", "codec_for", "codec_of", "codecs",
            "register", "routes"]

@@ -46,19 +46,19 @@ from typing import Any
 import orjson
 from starlette.responses import JSONResponse, Response
 
-from core.errors import BadRequestError, ProxyError
-from core.figures import Figures, count_of, figures_from, mapping_of
-from core.frames import Frame, FrameKind
-from proxy.aggregate import aggregate, assistant_message
-from proxy.codecs.anthropic_convert import (
+from prefixpin.core.errors import BadRequestError, ProxyError
+from prefixpin.core.figures import Figures, count_of, figures_from, mapping_of
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.proxy.aggregate import aggregate, assistant_message
+from prefixpin.proxy.codecs.anthropic_convert import (
     answer_blocks,
     check_request,
     convert_message,
     convert_request,
 )
-from proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
-from proxy.generation import Generation
-from proxy.validation import (
+from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import (
     FIELD_TYPES,
     SURROGATE_ESCAPE,
     Api,

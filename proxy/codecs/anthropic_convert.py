@@ -50,8 +50,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from core.errors import BadRequestError
-from proxy.validation import (
+from prefixpin.core.errors import BadRequestError
+from prefixpin.proxy.validation import (
     JSON_ARRAY,
     JSON_BOOL,
     JSON_INT,

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
-from core.errors import ProxyError
-from core.frames import Frame
-from proxy.generation import Generation
-from proxy.validation import Api, ClientRequest, Endpoint
+from prefixpin.core.errors import ProxyError
+from prefixpin.core.frames import Frame
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import Api, ClientRequest, Endpoint
 
 
 class StreamEncoder(Protocol):

@@ -25,9 +25,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from core.errors import ProxyError, UpstreamStatusError, error_response
-from core.frames import Frame, FrameKind
-from core.ndjson import (
+from prefixpin.core.errors import ProxyError, UpstreamStatusError, error_response
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.ndjson import (
     GO_JSON_MEDIA_TYPE,
     KEEPALIVE,
     NDJSON_MEDIA_TYPE,
@@ -37,8 +37,8 @@ from core.ndjson import (
     fold_generate,
     reply_message,
 )
-from proxy.generation import Generation
-from proxy.validation import Api, ClientRequest, Endpoint, parse_native_request
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import Api, ClientRequest, Endpoint, parse_native_request
 
 NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RELAYED = (FrameKind.CHUNK, FrameKind.DONE)  # Ollama's own lines; the rest is the proxy's

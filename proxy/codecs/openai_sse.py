@@ -23,13 +23,13 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from core.errors import ProxyError, error_event, error_response
-from core.figures import count_of, figures_from, mapping_of, with_cached_tokens
-from core.frames import Frame, FrameKind
-from core.sse import encode_comment, encode_data
-from proxy.aggregate import aggregate, assistant_message
-from proxy.generation import Generation
-from proxy.validation import Api, ClientRequest, Endpoint, parse_request
+from prefixpin.core.errors import ProxyError, error_event, error_response
+from prefixpin.core.figures import count_of, figures_from, mapping_of, with_cached_tokens
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import encode_comment, encode_data
+from prefixpin.proxy.aggregate import aggregate, assistant_message
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import Api, ClientRequest, Endpoint, parse_request
 
 SSE_MEDIA_TYPE = "text/event-stream"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

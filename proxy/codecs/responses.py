@@ -78,13 +78,13 @@ from typing import Any
 import orjson
 from starlette.responses import JSONResponse, Response
 
-from core.errors import BadRequestError, ProxyError, error_response
-from core.figures import count_of, figures_from, mapping_of
-from core.frames import Frame, FrameKind
-from core.sse import encode_comment
-from proxy.aggregate import aggregate, assistant_message
-from proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
-from proxy.codecs.responses_convert import (
+from prefixpin.core.errors import BadRequestError, ProxyError, error_response
+from prefixpin.core.figures import count_of, figures_from, mapping_of
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import encode_comment
+from prefixpin.proxy.aggregate import aggregate, assistant_message
+from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
+from prefixpin.proxy.codecs.responses_convert import (
     fallback_call_id,
     function_call_item,
     message_item,
@@ -94,8 +94,8 @@ from proxy.codecs.responses_convert import (
     reply_message,
     to_chat,
 )
-from proxy.generation import Generation
-from proxy.validation import (
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import (
     FIELD_TYPES,
     JSON_ARRAY,
     JSON_BOOL,

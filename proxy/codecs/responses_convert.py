@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core.errors import BadRequestError
+from prefixpin.core.errors import BadRequestError
 
 # Fields of a Responses body that llama-server ignores (``params_from_json_cmpl`` and the
 # chat parser read none of them), dropped so that they never reach the engine nor the

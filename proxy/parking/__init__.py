@@ -52,13 +52,13 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from adapters.base import Adapter, EngineInfo
-from core.errors import ProxyError
-from proxy.engine_facts import ServerFlags
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.parking.anchor import Anchorer
-from proxy.parking.index import (
+from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.engine_facts import ServerFlags
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.parking.anchor import Anchorer
+from prefixpin.proxy.parking.index import (
     INDEX_NAME,
     SCHEMA_VERSION,
     SHARED_SCOPE,
@@ -68,14 +68,14 @@ from proxy.parking.index import (
     SqliteParkIndex,
     scope_of,
 )
-from proxy.parking.limits import EngineLimits, engine_limits, limits_from
-from proxy.parking.manager import (
+from prefixpin.proxy.parking.limits import EngineLimits, engine_limits, limits_from
+from prefixpin.proxy.parking.manager import (
     ParkConfig,
     ParkManager,
     RestoreResult,
     random_filename,
 )
-from proxy.parking.slotfile import (
+from prefixpin.proxy.parking.slotfile import (
     DIGEST_BYTES,
     PARK_PREFIX,
     SLOT_FILE_MAGIC,
@@ -88,12 +88,12 @@ from proxy.parking.slotfile import (
     unlink,
     unpack_tokens,
 )
-from proxy.sessions import SessionStore
-from proxy.settings import Settings
+from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.settings import Settings
 
 if TYPE_CHECKING:  # the redis package is only needed with --redis
-    from proxy.cluster.core import Cluster
-    from proxy.cluster.sessions import SharedSessions
+    from prefixpin.proxy.cluster.core import Cluster
+    from prefixpin.proxy.cluster.sessions import SharedSessions
 
 __all__ = [
     "DEFAULT_INDEX_ROOT", "DIGEST_BYTES", "INDEX_NAME", "PARK_PREFIX", "SCHEMA_VERSION",
@@ -158,7 +158,7 @@ async def open_parking(settings: Settings, adapter: Adapter, info: EngineInfo,
     index: ParkIndexStore
     if replicated:
         assert cluster is not None
-        from proxy.cluster.park_index import RedisParkIndex
+        from prefixpin.proxy.cluster.park_index import RedisParkIndex
 
         index, index_at = RedisParkIndex(cluster), f"redis {cluster.key('park')}"
     else:

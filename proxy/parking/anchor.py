@@ -27,13 +27,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from adapters.base import Adapter
-from core.errors import ProxyError
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.placement import SlotEntry, SlotPool
-from proxy.sessions import Session
-from proxy.tokens import common_prefix
+from prefixpin.adapters.base import Adapter
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.placement import SlotEntry, SlotPool
+from prefixpin.proxy.sessions import Session
+from prefixpin.proxy.tokens import common_prefix
 
 # A session's own next request often follows its answer at once (a tool result): work on
 # its slot after a turn (anchoring, parking ahead) waits until it stayed idle this long.

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.base import EngineInfo
-from proxy.engine_facts import ServerFlags, engine_facts_of, local_server_flags
-from proxy.settings import Settings
+from prefixpin.adapters.base import EngineInfo
+from prefixpin.proxy.engine_facts import ServerFlags, engine_facts_of, local_server_flags
+from prefixpin.proxy.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.base import Adapter, EngineInfo
-from core.errors import ProxyError
-from proxy.history import Committed, decide
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.parking.anchor import Anchorer, prompt_tokens, when_idle
-from proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
-from proxy.parking.limits import EngineLimits
-from proxy.parking.slotfile import (
+from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.history import Committed, decide
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.parking.anchor import Anchorer, prompt_tokens, when_idle
+from prefixpin.proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
+from prefixpin.proxy.parking.limits import EngineLimits
+from prefixpin.proxy.parking.slotfile import (
     PARK_PREFIX,
     SlotFileError,
     age_of,
@@ -46,9 +46,9 @@ from proxy.parking.slotfile import (
     tokens_digest,
     unlink,
 )
-from proxy.placement import Eviction, SlotEntry, SlotPool
-from proxy.sessions import Session, SessionStore
-from proxy.tokens import common_prefix
+from prefixpin.proxy.placement import Eviction, SlotEntry, SlotPool
+from prefixpin.proxy.sessions import Session, SessionStore
+from prefixpin.proxy.tokens import common_prefix
 
 EXIT_PARK_TIMEOUT_S = 30.0
 SESSION_NOTES = 4096  # per-session notes kept (the session store's default bound)

@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.base import Adapter
-from core.errors import ProxyError
-from proxy.logs import log_event
-from proxy.metrics import Metrics
-from proxy.parking.anchor import prompt_tokens, tokens_before_user_turn
-from proxy.parking.slotfile import unlink
-from proxy.system_turns import SYSTEM_ROLES
-from proxy.tokens import common_prefix
+from prefixpin.adapters.base import Adapter
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.parking.anchor import prompt_tokens, tokens_before_user_turn
+from prefixpin.proxy.parking.slotfile import unlink
+from prefixpin.proxy.system_turns import SYSTEM_ROLES
+from prefixpin.proxy.tokens import common_prefix
 
 PER_NAMESPACE = 4  # openings kept per namespace (a main agent and its sub-agent kinds)
 NAMESPACES = 256  # namespaces with openings, least recently used out first

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import ProxyApps, create_apps
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import ProxyApps, create_apps
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 ProxyFactory = Callable[..., Any]

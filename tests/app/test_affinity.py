@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.affinity import AffinityPlanner
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.affinity import AffinityPlanner
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import clients_of, running_proxy
 from tests.app.test_parking import SlotFileFakeLlama, metric, park_files
 from tests.app.test_parking import settings as park_settings

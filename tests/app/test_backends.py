@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_apps
-from proxy.backends import MemoryHomes, rendezvous, session_identity
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.backends import MemoryHomes, rendezvous, session_identity
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 

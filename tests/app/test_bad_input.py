@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import create_app
-from proxy.http_limits import MAX_HEAD_BYTES, http_options
-from proxy.logs import JSONFormatter
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_app
+from prefixpin.proxy.http_limits import MAX_HEAD_BYTES, http_options
+from prefixpin.proxy.logs import JSONFormatter
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread
 from tests.reporting import print_uncaptured

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.http_limits import http_options
-from proxy.relay import LiveStream
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.relay import LiveStream
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread, serve_proxy
 from tests.rig.parts import require_compiled_relay

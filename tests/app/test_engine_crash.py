@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.embedded import EmbeddedAdapter
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.adapters.embedded import EmbeddedAdapter
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_faults import Capture, chat, read, sessions_when, wait_until
 from tests.app.test_parking import ask, cached, conversation, index_dir, metric, prompt
@@ -190,7 +190,7 @@ async def test_the_embedded_worker_killed_by_sigsegv_comes_back_and_parked_sessi
 @pytest.mark.embedded
 async def test_a_worker_that_dies_while_loading_is_a_clear_error(tmp_path: Path) -> None:
     """Not a GGUF llama.cpp can use: the worker says why and the open fails with it."""
-    from adapters.embedded import EngineConfig, ModelLoadError
+    from prefixpin.adapters.embedded import EngineConfig, ModelLoadError
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

@@ -29,9 +29,9 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.http import send_with_stale_retry
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.adapters.http import send_with_stale_retry
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread

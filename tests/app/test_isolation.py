@@ -16,11 +16,11 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app, create_apps
-from proxy.router import Router
-from proxy.settings import Settings
-from proxy.tenants import ANONYMOUS
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_app, create_apps
+from prefixpin.proxy.router import Router
+from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.tenants import ANONYMOUS
 from tests.app.conftest import clients_of, lanes_ready, running_proxy
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.ollama.conftest import MODEL, proxy_rig

@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.llama_server import LlamaServerAdapter
-from adapters.ollama import OllamaAdapter
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_apps
-from proxy.engines import ENGINES, EngineKind, kind_of, register
-from proxy.settings import Settings
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.ollama import OllamaAdapter
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.engines import ENGINES, EngineKind, kind_of, register
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_backends import Switch
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer

@@ -23,12 +23,12 @@ import pytest
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
-from proxy.http_limits import http_options
-from proxy.passthrough import forward
-from proxy.paths import PathRejected, canonical_paths, is_canonical
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_app
+from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.passthrough import forward
+from prefixpin.proxy.paths import PathRejected, canonical_paths, is_canonical
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread
 from tests.unit.test_paths import REJECT, aliases

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 
 
 async def post(apps: Any, path: str = "/v1/chat/completions",

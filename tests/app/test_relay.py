@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_app
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_app
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import running_proxy
 from tests.fakes.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.rig.redis_process import RedisProcess, run_redis_server

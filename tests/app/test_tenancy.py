@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from proxy.server import serve
-from proxy.settings import Settings
+from prefixpin.proxy.server import serve
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import running_proxy
 from tests.app.test_parking import metric
 

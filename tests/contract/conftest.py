@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.base import Adapter, UpstreamCall
-from adapters.llama_server import LlamaServerAdapter
-from adapters.ollama import OllamaAdapter
-from core.asgi_transport import StreamingASGITransport
+from prefixpin.adapters.base import Adapter, UpstreamCall
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.ollama import OllamaAdapter
+from prefixpin.core.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.models import ensure_model
@@ -79,7 +79,7 @@ async def adapter(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         yield llama
         await llama.aclose()
         return
-    from adapters.embedded import EmbeddedAdapter, EngineConfig
+    from prefixpin.adapters.embedded import EmbeddedAdapter, EngineConfig
 
     config = EngineConfig(model_path=ensure_model("smollm2"), n_slots=2, n_ctx=4096,
                           n_batch=BATCH, slot_save_path=tmp_path_factory.mktemp("slots"),

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from adapters.base import Adapter, Frame, FrameKind
-from core.errors import ProxyError
-from core.figures import Figures, figures_from
+from prefixpin.adapters.base import Adapter, Frame, FrameKind
+from prefixpin.core.errors import ProxyError
+from prefixpin.core.figures import Figures, figures_from
 from tests.contract.conftest import OLLAMA_MODEL
 from tests.e2e.helpers import filler
 

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 

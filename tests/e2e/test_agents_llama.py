@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.http_limits import http_options
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.agent_clis import CLIS, ENGINE_CAP_ARGS, AgentSession, Cli
 from tests.rig.agents import require_agent

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_parking import metric
 from tests.e2e.helpers import filler

@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import pytest
 
-from proxy.codecs.anthropic import AnthropicCodec
+from prefixpin.proxy.codecs.anthropic import AnthropicCodec
 from tests.e2e.conftest import ProxyRunner
 from tests.e2e.helpers import filler
 from tests.fakes.tcp_tap import run_tap

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import main
+from prefixpin.proxy.cli import main
 from tests.fakes.servers import free_port
 from tests.rig.llama_build import ensure_llama_server
 from tests.rig.llama_process import LlamaServerProcess, stop, wait_healthy

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import main
+from prefixpin.proxy.cli import main
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.tiny_models import ensure_tiny_model
 

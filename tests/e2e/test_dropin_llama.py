@@ -33,15 +33,15 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.http import FORWARDED, EngineKey
-from adapters.llama_server import LlamaServerAdapter
-from adapters.ollama import detect_engine
-from core.errors import UpstreamStatusError
-from proxy import doctor
-from proxy.app import create_apps
-from proxy.cli import build_parser, parse_upstream_line, settings_from_args
-from proxy.engines import http_client
-from proxy.settings import Settings
+from prefixpin.adapters.http import FORWARDED, EngineKey
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.ollama import detect_engine
+from prefixpin.core.errors import UpstreamStatusError
+from prefixpin.proxy import doctor
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.cli import build_parser, parse_upstream_line, settings_from_args
+from prefixpin.proxy.engines import http_client
+from prefixpin.proxy.settings import Settings
 from tests.e2e.conftest import ProxyRunner
 from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

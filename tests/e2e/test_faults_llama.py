@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.http_limits import http_options
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.fakes.tcp_tap import run_tap

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.e2e.conftest import ProxyRunner
 from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

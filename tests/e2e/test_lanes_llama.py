@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler
 from tests.fakes.fake_ollama import create_fake_ollama
 from tests.fakes.servers import serve_in_thread, serve_proxy

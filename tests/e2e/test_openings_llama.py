@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.llama_server import LlamaServerAdapter
-from proxy.app import create_apps
-from proxy.parking.openings import PER_NAMESPACE, request_opening
-from proxy.settings import Settings
-from proxy.tokens import common_prefix
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.parking.openings import PER_NAMESPACE, request_opening
+from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.tokens import common_prefix
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_parking import events, metric, park_files
 from tests.e2e.helpers import filler

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_apps
-from proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
-from proxy.settings import Settings
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
+from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler, stream_chat
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, restart, run_llama_server

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.openai_sse import classify_whole
-from proxy.app import create_apps
-from proxy.http_limits import http_options
-from proxy.settings import Settings
+from prefixpin.adapters.openai_sse import classify_whole
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess
 from tests.rig.parts import require_compiled_relay

@@ -13,8 +13,8 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from proxy.app import ProxyApps
-from proxy.server import serve_both
+from prefixpin.proxy.app import ProxyApps
+from prefixpin.proxy.server import serve_both
 
 
 class _Server(uvicorn.Server):

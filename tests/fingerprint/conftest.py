@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fingerprint.tokenizer import ModelTokenizer, load_tokenizer
+from prefixpin.fingerprint.tokenizer import ModelTokenizer, load_tokenizer
 from tests.fakes.servers import free_port
 from tests.rig.llama_build import ensure_llama_server
 from tests.rig.models import ensure_model

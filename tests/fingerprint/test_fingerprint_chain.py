@@ -9,7 +9,7 @@ from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fingerprint.chain import (
+from prefixpin.fingerprint.chain import (
     DEFAULT_BAR,
     Chain,
     Edges,

@@ -9,7 +9,7 @@ from typing import Any
 import gguf
 import pytest
 
-from fingerprint.gguf_metadata import GgufFormatError, read_metadata
+from prefixpin.fingerprint.gguf_metadata import GgufFormatError, read_metadata
 from tests.rig.models import ensure_model
 
 SCALARS: list[tuple[str, Any]] = [

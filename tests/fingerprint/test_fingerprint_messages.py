@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from fingerprint.chain import Chain, chain, nominates, shared_leading
-from fingerprint.messages import (
+from prefixpin.fingerprint.chain import Chain, chain, nominates, shared_leading
+from prefixpin.fingerprint.messages import (
     CHECKPOINT_EVERY,
     TOOL_RESULT_CHARS,
     ChainMemo,
@@ -20,8 +20,8 @@ from fingerprint.messages import (
     fingerprint_view,
     prefix_keys,
 )
-from fingerprint.tokenizer import ModelTokenizer, markers_for
-from proxy.history import digest
+from prefixpin.fingerprint.tokenizer import ModelTokenizer, markers_for
+from prefixpin.proxy.history import digest
 
 Message = dict[str, Any]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fingerprint.tokenizer import ModelTokenizer
+from prefixpin.fingerprint.tokenizer import ModelTokenizer
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from fingerprint.tokenizer import (
+from prefixpin.fingerprint.tokenizer import (
     GgufVocab,
     ModelTokenizer,
     TokenizerLoadError,

@@ -19,9 +19,9 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 
-from core.asgi_transport import StreamingASGITransport
-from proxy.app import create_apps
-from proxy.settings import Settings
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_ollama import (
     FakeModel,
     FakeOllama,

@@ -23,13 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from adapters.llama_server import LlamaServerAdapter
-from adapters.ollama import OllamaAdapter, detect_engine
-from core.asgi_transport import StreamingASGITransport
-from core.errors import UpstreamProtocolError
-from proxy.app import create_app
-from proxy.ollama import OllamaPlanner
-from proxy.settings import Settings
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
+from prefixpin.core.asgi_transport import StreamingASGITransport
+from prefixpin.core.errors import UpstreamProtocolError
+from prefixpin.proxy.app import create_app
+from prefixpin.proxy.ollama import OllamaPlanner
+from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaServer
 from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama
 from tests.fakes.servers import free_port

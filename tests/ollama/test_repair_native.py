@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from proxy.history import Committed, decide
-from proxy.repair import POLICIES, RepairConfig, Repairer, RepairMemory
+from prefixpin.proxy.history import Committed, decide
+from prefixpin.proxy.repair import POLICIES, RepairConfig, Repairer, RepairMemory
 
 from .conftest import MODEL, proxy_rig
 

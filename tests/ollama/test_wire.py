@@ -11,10 +11,15 @@ from typing import Any
 import ollama
 import pytest
 
-from adapters.base import Frame, FrameKind
-from adapters.ollama import classify_native, classify_openai, reports_cached_count, version_tuple
-from core.figures import figures_from
-from core.ndjson import (
+from prefixpin.adapters.base import Frame, FrameKind
+from prefixpin.adapters.ollama import (
+    classify_native,
+    classify_openai,
+    reports_cached_count,
+    version_tuple,
+)
+from prefixpin.core.figures import figures_from
+from prefixpin.core.ndjson import (
     KEEPALIVE,
     NDJSONDecoder,
     encode_line,
@@ -23,7 +28,7 @@ from core.ndjson import (
     fold_generate,
     reply_message,
 )
-from core.sse import SSEDecoder
+from prefixpin.core.sse import SSEDecoder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ollama"
 

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.cpu import NO_AMX_CFLAGS, flags_digest
-from proxy.models import cache_root
+from prefixpin.core.cpu import NO_AMX_CFLAGS, flags_digest
+from prefixpin.proxy.models import cache_root
 from tests.rig.parts import prepared
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

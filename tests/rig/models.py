@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy.models import DEFAULT_MODEL, MODELS, ModelUnavailableError, model_path
-from proxy.models import ensure_model as fetch_model
+from prefixpin.proxy.models import DEFAULT_MODEL, MODELS, ModelUnavailableError, model_path
+from prefixpin.proxy.models import ensure_model as fetch_model
 from tests.rig.parts import prepared
 
 __all__ = ["DEFAULT_MODEL", "MODELS", "ModelUnavailableError", "ensure_model", "fetch_model"]

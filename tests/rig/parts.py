@@ -59,7 +59,7 @@ def require_llama_cpp() -> None:
 
 def require_compiled_relay() -> None:
     """The compiled relay's extension (``core._relay``), which the install compiles on Linux."""
-    from core import compiled_relay as lane
+    from prefixpin.core import compiled_relay as lane
 
     if not lane.available():
         missing_part("the compiled relay's extension (core._relay)",

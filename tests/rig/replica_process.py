@@ -39,12 +39,12 @@ def start_replica(upstreams: Sequence[str], log_path: Path, *, redis: str | None
                   replica_id: str | None = None, args: Sequence[str] = (),
                   env: Mapping[str, str] | None = None, port: int | None = None,
                   startup_timeout: float = 60.0,
-                  program: Sequence[str] = (sys.executable, "-m", "proxy.cli"),
+                  program: Sequence[str] = (sys.executable, "-m", "prefixpin.proxy.cli"),
                   cwd: Path | None = None, operator: bool = True) -> ReplicaProcess:
     """``prefixpin serve`` on a free loopback port (no upstreams: the embedded engine);
     returns once /healthz says every engine answers (or raises with the log's tail).
     ``program`` runs it another way, e.g. as the installed ``prefixpin`` console script;
-    ``cwd`` (default: this repository) another checkout's ``python -m proxy.cli``;
+    ``cwd`` (default: this repository) another checkout's ``python -m prefixpin.proxy.cli``;
     ``operator=False`` for a checkout from before the operator listener (its views are on
     its one port)."""
     port = port or free_port()

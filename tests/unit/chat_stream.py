@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
-from adapters.openai_sse import classify
-from core.errors import ProxyError
-from core.frames import Frame
-from core.sse import SSEDecoder
-from proxy.generation import Generation
+from prefixpin.adapters.openai_sse import classify
+from prefixpin.core.errors import ProxyError
+from prefixpin.core.frames import Frame
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.generation import Generation
 
 DONE = b"data: [DONE]\n\n"
 

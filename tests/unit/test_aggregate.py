@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from adapters.base import Frame
-from adapters.openai_sse import classify
-from core.sse import SSEDecoder
-from proxy.aggregate import aggregate, assistant_message
+from prefixpin.adapters.base import Frame
+from prefixpin.adapters.openai_sse import classify
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.aggregate import aggregate, assistant_message
 
 
 def frames(*payloads: dict[str, Any] | str) -> list[Frame]:

@@ -19,7 +19,7 @@ import anthropic
 import httpx2
 import pytest
 
-from core.errors import (
+from prefixpin.core.errors import (
     BadRequestError,
     ClientError,
     PayloadTooLargeError,
@@ -29,15 +29,15 @@ from core.errors import (
     UpstreamStatusError,
     UpstreamUnavailableError,
 )
-from core.frames import Frame, FrameKind
-from core.sse import SSEDecoder
-from proxy.codecs import ANTHROPIC_MESSAGES, codec_at, codec_of
-from proxy.codecs.anthropic import PING, AnthropicCodec
-from proxy.codecs.anthropic_convert import normalize_billing_header
-from proxy.history import digest
-from proxy.identity import explicit_identity
-from proxy.isolation import ApiNotServedError
-from proxy.validation import ClientRequest
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.codecs import ANTHROPIC_MESSAGES, codec_at, codec_of
+from prefixpin.proxy.codecs.anthropic import PING, AnthropicCodec
+from prefixpin.proxy.codecs.anthropic_convert import normalize_billing_header
+from prefixpin.proxy.history import digest
+from prefixpin.proxy.identity import explicit_identity
+from prefixpin.proxy.isolation import ApiNotServedError
+from prefixpin.proxy.validation import ClientRequest
 from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = AnthropicCodec()

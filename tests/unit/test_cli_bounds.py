@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.cli import SERVE_FLAGS, build_parser, settings_from_args
-from proxy.settings import Settings
+from prefixpin.proxy.cli import SERVE_FLAGS, build_parser, settings_from_args
+from prefixpin.proxy.settings import Settings
 
 BOUNDS = {
     "--max-sessions": ("max_sessions", 17),
@@ -33,8 +33,8 @@ def test_each_bound_flag_reaches_its_setting(flag: str) -> None:
 
 
 def test_all_bounds_at_once_reach_the_session_store_and_queue_gate() -> None:
-    from proxy.placement import QueueGate
-    from proxy.sessions import SessionStore
+    from prefixpin.proxy.placement import QueueGate
+    from prefixpin.proxy.sessions import SessionStore
 
     argv = ["serve", "--upstream", "http://z:1"]
     for flag, (_, value) in BOUNDS.items():
@@ -48,7 +48,7 @@ def test_all_bounds_at_once_reach_the_session_store_and_queue_gate() -> None:
 
 
 def test_a_bound_below_its_minimum_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.cli import main
+    from prefixpin.proxy.cli import main
 
     assert main(["serve", "--upstream", "http://z:1", "--max-queued-per-lane", "0"]) == 2
     assert "max_queued_per_lane" in capsys.readouterr().err

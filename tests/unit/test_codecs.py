@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from core.errors import BadRequestError, UpstreamStatusError
-from proxy.codecs import Codec, codec_at, codec_for, codec_of, codecs, register, routes
+from prefixpin.core.errors import BadRequestError, UpstreamStatusError
+from prefixpin.proxy.codecs import Codec, codec_at, codec_for, codec_of, codecs, register, routes
 
 # The smallest body each format accepts, by (api, endpoint).
 MINIMAL: dict[tuple[str, str], dict[str, Any]] = {

@@ -17,7 +17,7 @@ from tests.rig.parts import require_compiled_relay
 
 require_compiled_relay()
 
-from core._relay import Relay, plain_json_text  # noqa: E402
+from prefixpin.core._relay import Relay, plain_json_text  # noqa: E402
 
 HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
 TAIL = b'"}}],"created":1796000000,"id":"chatcmpl-x","object":"chat.completion.chunk"}\n\n'

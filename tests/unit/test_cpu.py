@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.embedded.cpu_paths import choose_cpu_paths, compiled_features
-from adapters.embedded.supervisor import describe_exit
-from core.cpu import (
+from prefixpin.adapters.embedded.cpu_paths import choose_cpu_paths, compiled_features
+from prefixpin.adapters.embedded.supervisor import describe_exit
+from prefixpin.core.cpu import (
     NO_AMX_CFLAGS,
     crash_advice,
     flags_digest,
@@ -20,8 +20,8 @@ from core.cpu import (
     library_has_amx,
     parse_flags,
 )
-from proxy.doctor import Observations, cpu_paths_finding
-from proxy.engine_facts import parse_llama_args
+from prefixpin.proxy.doctor import Observations, cpu_paths_finding
+from prefixpin.proxy.engine_facts import parse_llama_args
 from tests.rig.llama_build import CMAKE_FLAGS, build_key
 
 # llama_print_system_info() of a -march=native build on a Sapphire Rapids Xeon

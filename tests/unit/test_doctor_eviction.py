@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.doctor import (
+from prefixpin.proxy.doctor import (
     EVICTED,
     RESTORED,
     RESTORED_NEXT,
@@ -21,7 +21,7 @@ from proxy.doctor import (
     diagnose,
     render_text,
 )
-from proxy.engine_facts import ModelFacts
+from prefixpin.proxy.engine_facts import ModelFacts
 
 KEPT, LOST = Survival(218, 235, 218), Survival(0, 235, 218)
 FULL = ModelFacts("llama", 0, False, 8192, None)

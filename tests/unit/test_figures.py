@@ -8,10 +8,10 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.base import Frame, Progress
-from adapters.openai_sse import classify
-from core.figures import figures_from, with_cached_tokens
-from core.sse import SSEDecoder
+from prefixpin.adapters.base import Frame, Progress
+from prefixpin.adapters.openai_sse import classify
+from prefixpin.core.figures import figures_from, with_cached_tokens
+from prefixpin.core.sse import SSEDecoder
 
 
 def frame(payload: dict[str, Any]) -> Frame:

@@ -12,16 +12,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from adapters import h1
-from adapters.h1 import (
+from prefixpin.adapters import h1
+from prefixpin.adapters.h1 import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
     H1Transport,
     engine_transport,
 )
-from adapters.http import EngineClient, pushed_body, send_with_stale_retry
-from proxy.settings import Settings
+from prefixpin.adapters.http import EngineClient, pushed_body, send_with_stale_retry
+from prefixpin.proxy.settings import Settings
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -471,7 +471,7 @@ def test_open_writes_the_request_httpx_writes(headers: list[tuple[bytes, bytes]]
 
 def test_open_leaves_to_httpx_what_its_client_acts_on() -> None:
     """A hook, or the engine key on one of the proxy's own paths: httpx's own send."""
-    from adapters.http import EngineKey
+    from prefixpin.adapters.http import EngineKey
 
     async def run() -> None:
         seen: list[bytes] = []

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.history import Committed, canonical, decide
+from prefixpin.proxy.history import Committed, canonical, decide
 
 Message = dict[str, Any]
 SYSTEM: Message = {"role": "system", "content": "You are a coding agent."}

@@ -25,22 +25,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.base import Capabilities, Frame, FrameKind, Progress
-from adapters.openai_sse import parse_progress
-from core.figures import Figures, figures_from, with_cached_tokens
-from proxy.affinity import AffinityPlanner
-from proxy.aggregate import aggregate
-from proxy.codecs import codec_of
-from proxy.generation import Generation
-from proxy.history import Committed, canonical, decide, digest
-from proxy.metrics import Metrics
-from proxy.placement import SlotPool
-from proxy.relay import _ensure_usage, heartbeat_text
-from proxy.repair import RepairConfig, Repairer
-from proxy.service import PREFIX_BREAK_SLACK, Backend, Incoming, Outcome, SlotLedger
-from proxy.sessions import SessionStore
-from proxy.tenants import ANONYMOUS
-from proxy.validation import parse_request
+from prefixpin.adapters.base import Capabilities, Frame, FrameKind, Progress
+from prefixpin.adapters.openai_sse import parse_progress
+from prefixpin.core.figures import Figures, figures_from, with_cached_tokens
+from prefixpin.proxy.affinity import AffinityPlanner
+from prefixpin.proxy.aggregate import aggregate
+from prefixpin.proxy.codecs import codec_of
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.history import Committed, canonical, decide, digest
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.placement import SlotPool
+from prefixpin.proxy.relay import _ensure_usage, heartbeat_text
+from prefixpin.proxy.repair import RepairConfig, Repairer
+from prefixpin.proxy.service import PREFIX_BREAK_SLACK, Backend, Incoming, Outcome, SlotLedger
+from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.tenants import ANONYMOUS
+from prefixpin.proxy.validation import parse_request
 
 PROPERTY = settings(max_examples=300, deadline=None)
 

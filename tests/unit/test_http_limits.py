@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from proxy.http_limits import LINGER_S, MAX_HEAD_BYTES, ConnectionLimits, http_options
+from prefixpin.proxy.http_limits import LINGER_S, MAX_HEAD_BYTES, ConnectionLimits, http_options
 
 
 class Transport(asyncio.Transport):

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from fingerprint import Markers, MessageTokenCache, chain_for_messages
-from fingerprint.tokenizer import ModelTokenizer, markers_for
-from proxy.history import digest
-from proxy.implicit import INLINE_CHARS, Fingerprinter
+from prefixpin.fingerprint import Markers, MessageTokenCache, chain_for_messages
+from prefixpin.fingerprint.tokenizer import ModelTokenizer, markers_for
+from prefixpin.proxy.history import digest
+from prefixpin.proxy.implicit import INLINE_CHARS, Fingerprinter
 from tests.fingerprint.conftest import rig_tokenizer
 
 pytestmark = pytest.mark.anyio

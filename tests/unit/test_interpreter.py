@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from proxy.interpreter import SLOW_BUILD_NOTE, interpreter_build
+from prefixpin.proxy.interpreter import SLOW_BUILD_NOTE, interpreter_build
 
 PYENV_ARGS = ("'--prefix=/root/.pyenv/versions/3.11.7' '--enable-shared' "
               "'--libdir=/root/.pyenv/versions/3.11.7/lib' 'LDFLAGS=-L/root/lib'")
@@ -90,7 +90,7 @@ def test_serve_logs_the_interpreter_at_start(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
+            [sys.executable, "-m", "prefixpin.proxy.cli", "serve", "--upstream", "http://127.0.0.1:9",
              "--port", str(free_port()), "--admin-listen", f"127.0.0.1:{free_port()}"],
             stdout=out, stderr=subprocess.STDOUT)
         try:

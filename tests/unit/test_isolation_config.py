@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import (
+from prefixpin.proxy.cli import (
     UpstreamEntry,
     UpstreamsFileError,
     build_parser,
@@ -16,8 +16,8 @@ from proxy.cli import (
     read_upstreams_file,
     settings_from_args,
 )
-from proxy.engine_facts import parse_llama_args
-from proxy.engines import FLAGS_UNREADABLE, OLLAMA_SHARED, shared_cache_reason
+from prefixpin.proxy.engine_facts import parse_llama_args
+from prefixpin.proxy.engines import FLAGS_UNREADABLE, OLLAMA_SHARED, shared_cache_reason
 
 NS_A, NS_B = "t-0123456789abcdef", "t-fedcba9876543210"
 

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from starlette.types import Message
 
-from core.errors import ProxyError
-from core.frames import Frame
-from proxy.client_writes import BODY_WRITER
-from proxy.codecs import codec_of
-from proxy.codecs.openai_sse import ClientView
-from proxy.generation import Generation
-from proxy.relay import LiveStream
+from prefixpin.core.errors import ProxyError
+from prefixpin.core.frames import Frame
+from prefixpin.proxy.client_writes import BODY_WRITER
+from prefixpin.proxy.codecs import codec_of
+from prefixpin.proxy.codecs.openai_sse import ClientView
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.relay import LiveStream
 from tests.unit.test_relay_path import STREAM, client_of, event, frames_of, opener_of
 
 

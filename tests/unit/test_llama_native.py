@@ -18,19 +18,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from adapters.base import FrameKind
-from adapters.llama_native import NativeClassifier, classify, is_final, prompt_count
-from adapters.llama_server import LlamaServerAdapter
-from core.errors import BadRequestError, QueueTimeoutError, UpstreamStatusError
-from core.figures import figures_from
-from core.frames import Frame, Progress
-from core.sse import SSEDecoder
-from proxy.affinity import infill_identity, planned_body
-from proxy.codecs import codec_at, codec_for
-from proxy.codecs.llama_native import LlamaNativeCodec, fold, nested_values
-from proxy.engines import ENGINES
-from proxy.history import Committed, decide
-from proxy.validation import ClientRequest, Endpoint, parse_llama_request
+from prefixpin.adapters.base import FrameKind
+from prefixpin.adapters.llama_native import NativeClassifier, classify, is_final, prompt_count
+from prefixpin.adapters.llama_server import LlamaServerAdapter
+from prefixpin.core.errors import BadRequestError, QueueTimeoutError, UpstreamStatusError
+from prefixpin.core.figures import figures_from
+from prefixpin.core.frames import Frame, Progress
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.affinity import infill_identity, planned_body
+from prefixpin.proxy.codecs import codec_at, codec_for
+from prefixpin.proxy.codecs.llama_native import LlamaNativeCodec, fold, nested_values
+from prefixpin.proxy.engines import ENGINES
+from prefixpin.proxy.history import Committed, decide
+from prefixpin.proxy.validation import ClientRequest, Endpoint, parse_llama_request
 from tests.app.conftest import running_proxy
 from tests.fakes.fake_llama import FakeLlamaServer
 

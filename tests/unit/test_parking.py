@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from adapters.base import EngineInfo
-from proxy.history import Committed
-from proxy.parking import (
+from prefixpin.adapters.base import EngineInfo
+from prefixpin.proxy.history import Committed
+from prefixpin.proxy.parking import (
     DEFAULT_INDEX_ROOT,
     INDEX_NAME,
     SCHEMA_VERSION,
@@ -33,7 +33,7 @@ from proxy.parking import (
     tokens_digest,
     unpack_tokens,
 )
-from proxy.settings import Settings
+from prefixpin.proxy.settings import Settings
 
 
 def slot_file(tokens: list[int], kv: bytes = b"kv-state", *, packed: bool = True) -> bytes:
@@ -288,7 +288,7 @@ def test_an_owner_is_this_process_s_session_only(tmp_path: Path,
         first = index.get("a")
         assert first is not None
         assert first.owner is None
-    monkeypatch.setattr("proxy.parking.index._PROCESS", "another-run")
+    monkeypatch.setattr("prefixpin.proxy.parking.index._PROCESS", "another-run")
     with closing(ParkIndex.open(path)) as index:
         assert index.owned_by("s1") is None
         again = index.get("b")

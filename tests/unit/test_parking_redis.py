@@ -17,15 +17,15 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from adapters.base import Adapter, SlotFileResult
-from proxy.cluster.core import Cluster
-from proxy.cluster.park_index import RedisParkIndex
-from proxy.cluster.sessions import SharedSessions
-from proxy.history import Committed, digest
-from proxy.metrics import Metrics
-from proxy.parking import ParkConfig, ParkManager, ParkRecord, read_slot_tokens, scope_of
-from proxy.placement import Eviction
-from proxy.sessions import Session, SessionStore
+from prefixpin.adapters.base import Adapter, SlotFileResult
+from prefixpin.proxy.cluster.core import Cluster
+from prefixpin.proxy.cluster.park_index import RedisParkIndex
+from prefixpin.proxy.cluster.sessions import SharedSessions
+from prefixpin.proxy.history import Committed, digest
+from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.parking import ParkConfig, ParkManager, ParkRecord, read_slot_tokens, scope_of
+from prefixpin.proxy.placement import Eviction
+from prefixpin.proxy.sessions import Session, SessionStore
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.unit.test_parking import record, slot_file
 

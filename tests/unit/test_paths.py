@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.codecs import routes
-from proxy.paths import PathRejected, canonical_path, canonical_paths, is_canonical
+from prefixpin.proxy.codecs import routes
+from prefixpin.proxy.paths import PathRejected, canonical_path, canonical_paths, is_canonical
 
 ENGINE_PATHS = ("/slots/0", "/completion", "/api/delete", "/props", "/api/tags")
 PATHS = (*routes(), *ENGINE_PATHS)

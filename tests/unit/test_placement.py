@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from core.errors import QueueTimeoutError
-from proxy.placement import Eviction, SlotPool, Want
+from prefixpin.core.errors import QueueTimeoutError
+from prefixpin.proxy.placement import Eviction, SlotPool, Want
 
 pytestmark = pytest.mark.anyio
 

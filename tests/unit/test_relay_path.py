@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from adapters.llama_native import NativeClassifier
-from adapters.openai_sse import classify, classify_whole
-from core.errors import UpstreamProtocolError
-from core.figures import figures_from
-from core.frames import Frame, FrameKind
-from core.sse import SSEDecoder
-from proxy.codecs.openai_sse import ClientView
-from proxy.generation import Generation
-from proxy.validation import parse_request
+from prefixpin.adapters.llama_native import NativeClassifier
+from prefixpin.adapters.openai_sse import classify, classify_whole
+from prefixpin.core.errors import UpstreamProtocolError
+from prefixpin.core.figures import figures_from
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.codecs.openai_sse import ClientView
+from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.validation import parse_request
 
 ENVELOPE = {"id": "c1", "created": 1, "model": "m", "object": "chat.completion.chunk"}
 
@@ -211,7 +211,7 @@ PLAIN_SHAPES: list[dict[str, Any]] = [
 @pytest.mark.parametrize(("shape", "payload"), list(enumerate(PLAIN_SHAPES)))
 def test_the_plain_chunk_path_makes_the_frame_the_general_path_makes(
         shape: int, payload: dict[str, Any]) -> None:
-    from adapters.openai_sse import _classify_object, _plain_text_chunk
+    from prefixpin.adapters.openai_sse import _classify_object, _plain_text_chunk
 
     raw = event({**ENVELOPE, **payload})
     (sse,) = SSEDecoder().feed(raw)

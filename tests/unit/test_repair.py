@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from proxy.history import Committed, decide
-from proxy.repair import (
+from prefixpin.proxy.history import Committed, decide
+from prefixpin.proxy.repair import (
     POLICIES,
     TRIM_CHARS,
     RepairConfig,

@@ -21,19 +21,19 @@ import httpx2
 import openai
 import pytest
 
-from core.errors import (
+from prefixpin.core.errors import (
     BadRequestError,
     ProxyError,
     UpstreamStatusError,
     UpstreamUnavailableError,
 )
-from core.frames import Frame, FrameKind
-from core.sse import SSEDecoder
-from proxy.codecs import OPENAI_RESPONSES, codec_at, codec_of
-from proxy.codecs.responses import ResponsesCodec
-from proxy.codecs.responses_convert import DROPPED, to_chat
-from proxy.identity import explicit_identity
-from proxy.validation import ClientRequest
+from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import SSEDecoder
+from prefixpin.proxy.codecs import OPENAI_RESPONSES, codec_at, codec_of
+from prefixpin.proxy.codecs.responses import ResponsesCodec
+from prefixpin.proxy.codecs.responses_convert import DROPPED, to_chat
+from prefixpin.proxy.identity import explicit_identity
+from prefixpin.proxy.validation import ClientRequest
 from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = ResponsesCodec()

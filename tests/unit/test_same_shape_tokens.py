@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import adapters.openai_sse as openai_sse
-from adapters.openai_sse import SameShapeTokens, classify_whole
-from core.frames import Frame
+import prefixpin.adapters.openai_sse as openai_sse
+from prefixpin.adapters.openai_sse import SameShapeTokens, classify_whole
+from prefixpin.core.frames import Frame
 
 # A llama-server chat stream's envelope, as a real one sends it (llama.cpp at the pinned
 # version: the fields after "choices", in this order; recorded from a run).

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from fingerprint import Chain, chain
-from proxy.affinity import AffinityPlanner, ranked
-from proxy.history import Committed, digest
-from proxy.sessions import Session, SessionStore
+from prefixpin.fingerprint import Chain, chain
+from prefixpin.proxy.affinity import AffinityPlanner, ranked
+from prefixpin.proxy.history import Committed, digest
+from prefixpin.proxy.sessions import Session, SessionStore
 
 OPENERS = [1]
 NAMESPACES = ("anon", "t-other")

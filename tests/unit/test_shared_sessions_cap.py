@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from proxy.cluster.core import Cluster
-from proxy.cluster.sessions import SharedSessions
-from proxy.sessions import Session, SessionStore
+from prefixpin.proxy.cluster.core import Cluster
+from prefixpin.proxy.cluster.sessions import SharedSessions
+from prefixpin.proxy.sessions import Session, SessionStore
 from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = pytest.mark.usefixtures("redis_server_binary")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.sse import SSEDecoder, encode_comment, encode_data
+from prefixpin.core.sse import SSEDecoder, encode_comment, encode_data
 
 STREAM = (
     b": prefixpin\n\n"

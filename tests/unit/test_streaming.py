@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from core.streaming import StreamResponse
-from proxy.http_limits import http_options
+from prefixpin.core.streaming import StreamResponse
+from prefixpin.proxy.http_limits import http_options
 from tests.fakes.servers import serve_in_thread
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.system_turns import CLOSE, OPEN, has_mid_system, in_place
+from prefixpin.proxy.system_turns import CLOSE, OPEN, has_mid_system, in_place
 
 
 def test_only_system_messages_after_the_first_position_are_rewritten() -> None:

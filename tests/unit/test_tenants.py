@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.tenants import (
+from prefixpin.proxy.tenants import (
     ANONYMOUS,
     Tenants,
     TenantsFileError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.tokens import TokenCounter, scope
+from prefixpin.proxy.tokens import TokenCounter, scope
 
 
 class CountingEncoder:

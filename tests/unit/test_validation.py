@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from core.errors import BadRequestError, PayloadTooLargeError
-from proxy.validation import parse_request, read_body
+from prefixpin.core.errors import BadRequestError, PayloadTooLargeError
+from prefixpin.proxy.validation import parse_request, read_body
 
 
 def chat(body: object) -> bytes:
