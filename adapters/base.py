@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from prefixpin.core.frames import Frame, FrameKind, Progress
+
+if TYPE_CHECKING:
+    from prefixpin.adapters.h1 import RelayHandoff
+    from prefixpin.adapters.openai_sse import TokenShape
 
 __all__ = ["Adapter", "Capabilities", "EngineInfo", "Frame", "FrameKind", "Progress",
            "SlotFileResult", "SlotState", "UpstreamCall", "UpstreamStream"]
@@ -69,9 +73,30 @@ class UpstreamCall:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+class RelayDoor(Protocol):
+    """Where an engine connection offers its stream's token events to the compiled relay
+    (``proxy.generation.Generation``): asked after a read that ended with a whole token
+    event of the stream's learned shape."""
+
+    @property
+    def taking(self) -> bool:
+        """Someone may take an offer (a client the compiled relay can write): checked on
+        every such read, before an offer is made."""
+        ...
+
+    def offer(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
+        """The connection's reading, offered: True when taken (the relay reads the engine
+        socket from now on, until it gives the stream back through ``handoff``)."""
+        ...
+
+
 class FrameSink(Protocol):
     """Where pushed frames go (``proxy.generation.Generation``): every frame of one engine
-    read, in order."""
+    read, in order; ``relay_door`` is where the connection may offer its token events to
+    the compiled relay, None for a sink that never takes them."""
+
+    @property
+    def relay_door(self) -> RelayDoor | None: ...
 
     def take_frames(self, frames: list[Frame]) -> None:
         """The frames of one read, as one list."""
@@ -93,23 +118,14 @@ class UpstreamStream(Protocol):
 
     def aiter_frames(self) -> AsyncIterator[Frame]: ...
 
-
-class PushingStream(UpstreamStream, Protocol):
-    """A stream that can push its frames (``push_frames``): each read's frames handed to the
-    sink from the engine connection's read itself, not one task wake-up per read
-    (``adapters.http.push_decoded_frames``). ``aiter_frames`` reads the same frames.
-    ``pusher_of`` finds the method (a runtime protocol check costs ~10 us a request)."""
-
-    async def push_frames(self, sink: FrameSink) -> None:
-        """Every frame to ``sink``; returns at the end of the body, raises what ``sink``
-        raises and an engine failure as ``UpstreamError``."""
+    @property
+    def pusher(self) -> Callable[[FrameSink], Awaitable[None]] | None:
+        """How to have the frames pushed, where the stream can: each read's frames handed
+        to the sink from the engine connection's read itself, not one task wake-up per
+        read (``adapters.http.push_decoded_frames``); returns at the end of the body,
+        raises what the sink raises and an engine failure as ``UpstreamError``. None:
+        only ``aiter_frames`` reads them."""
         ...
-
-
-def pusher_of(upstream: UpstreamStream) -> Callable[[FrameSink], Awaitable[None]] | None:
-    """``upstream.push_frames`` when it has one (``PushingStream``), else None."""
-    push: Callable[[FrameSink], Awaitable[None]] | None = getattr(upstream, "push_frames", None)
-    return push
 
 
 class Adapter(Protocol):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httpx
 
@@ -164,12 +164,12 @@ class _Connection(asyncio.Protocol):
         self._timer_at = 0.0
         self._deadline = 0.0
         self._timeout_s: float | None = None
-        # While set (``_Body.push``), the body's bytes go to it from the parser's callback as
-        # they are read, and nobody is woken until the response ends.
+        # While set (``_Body.push``: its reader's ``feed``), the body's bytes go to it from
+        # the parser's callback as they are read, and nobody is woken until the response ends.
         self.sink: Callable[[bytes], None] | None = None
-        # With the sink: called after each read the parser took whole (``_Body.push``),
-        # with the sink's ``after_read``: where the compiled relay is offered a stream.
-        self.after_read: Callable[[_Connection], None] | None = None
+        # With the sink, where the reader watches reads (``BodyReader.read_ended``): called
+        # after each read the parser took whole; there the compiled relay is offered a stream.
+        self.after_read: Callable[[ReadEnd], None] | None = None
         # The compiled relay's hold on this connection's reading (``RelayHandoff``), if any.
         self.relayed_by: RelayHandoff | None = None
         self._in_request = False
@@ -467,6 +467,68 @@ class _Connection(asyncio.Protocol):
     def _request_or_none(self) -> Any:
         return self._request
 
+    # ---------------------------------------------------------------- the relay's handoff
+
+    def handoff(self) -> RelayHandoff:
+        return RelayHandoff(self)
+
+    def socket_fileno(self) -> int:
+        sock = None if self._transport is None else self._transport.get_extra_info("socket")
+        if sock is None:
+            raise OSError("the engine connection has no socket")
+        return int(sock.fileno())
+
+    def pause_for(self, handoff: RelayHandoff) -> None:
+        """The relay reads the socket from now on: the loop stops reading it."""
+        assert self._transport is not None
+        assert self.relayed_by is None
+        self._transport.pause_reading()
+        self.relayed_by = handoff
+
+    def resume_from(self, handoff: RelayHandoff, engine: bytes, last_read: float) -> None:
+        """The relay gave the socket back (``RelayHandoff.resume``)."""
+        if self.relayed_by is not handoff:
+            return
+        self.relayed_by = None
+        if self._timeout_s is not None:
+            silent = max(0.0, time.monotonic() - last_read)
+            self._deadline = self._loop.time() - silent + self._timeout_s
+        if self._lost or self._transport is None:
+            return
+        if not self._reading_paused:
+            self._transport.resume_reading()
+        if engine and self.sink is not None:
+            self.data_received(engine)
+
+
+class ReadEnd(Protocol):
+    """An engine connection after a read its parser took whole (``BodyReader.read_ended``)."""
+
+    @property
+    def at_chunk_end(self) -> bool:
+        """The parser is between two chunks of a chunked body: where the compiled relay,
+        which reads from a chunk's start, may take over."""
+        ...
+
+    def handoff(self) -> RelayHandoff:
+        """This connection's reading, to offer to the compiled relay."""
+        ...
+
+
+class BodyReader(Protocol):
+    """What a pushed body hands its reads to (``_Body.push``), from the read itself."""
+
+    def feed(self, chunk: bytes) -> None:
+        """The body's bytes of one read (one parser callback), in order."""
+        ...
+
+    def read_ended(self, read: ReadEnd) -> None:
+        """After a read the parser took whole, when ``watches_reads``."""
+        ...
+
+    @property
+    def watches_reads(self) -> bool: ...
+
 
 class RelayHandoff:
     """This connection's reading handed to the compiled relay (``core.compiled_relay``)
@@ -484,18 +546,10 @@ class RelayHandoff:
 
     @property
     def fileno(self) -> int:
-        transport = self._connection._transport
-        sock = None if transport is None else transport.get_extra_info("socket")
-        if sock is None:
-            raise OSError("the engine connection has no socket")
-        return int(sock.fileno())
+        return self._connection.socket_fileno()
 
     def pause(self) -> None:
-        connection = self._connection
-        assert connection._transport is not None
-        assert connection.relayed_by is None
-        connection._transport.pause_reading()
-        connection.relayed_by = self
+        self._connection.pause_for(self)
 
     def resume(self, engine: bytes, last_read: float) -> None:
         """Back from the compiled relay: reading resumes (the socket's own end or error included),
@@ -504,19 +558,7 @@ class RelayHandoff:
         # Spent: it forgets its reclaimer (the relay's hold on the stream, which holds
         # this handoff: a cycle that would keep the stream's frames until a full GC).
         self.reclaim = _nothing
-        connection = self._connection
-        if connection.relayed_by is not self:
-            return
-        connection.relayed_by = None
-        if connection._timeout_s is not None:
-            silent = max(0.0, time.monotonic() - last_read)
-            connection._deadline = connection._loop.time() - silent + connection._timeout_s
-        if connection._lost or connection._transport is None:
-            return
-        if not connection._reading_paused:
-            connection._transport.resume_reading()
-        if engine and connection.sink is not None:
-            connection.data_received(engine)
+        self._connection.resume_from(self, engine, last_read)
 
 
 def _nothing() -> None:
@@ -547,18 +589,18 @@ class _Body(httpx.AsyncByteStream):
                 raise connection.error
             await connection.wait(self._timeout)
 
-    async def push(self, sink: Callable[[bytes], None]) -> None:
-        """Every chunk of the body to ``sink`` as it arrives, called from the connection's
+    async def push(self, reader: BodyReader) -> None:
+        """Every chunk of the body to ``reader`` as it arrives, called from the connection's
         read itself: no task wakes up per read (``__aiter__`` wakes its reader for each),
-        only at the end. Raises what the connection or ``sink`` raised; ``ReadTimeout``
+        only at the end. Raises what the connection or ``reader`` raised; ``ReadTimeout``
         after the timeout with nothing read."""
         connection = self._connection
         if connection is None:
             return
-        if connection.chunks:  # what arrived before the sink was there
-            sink(connection.take())
-        connection.sink = sink
-        connection.after_read = getattr(sink, "after_read", None)
+        if connection.chunks:  # what arrived before the reader was there
+            reader.feed(connection.take())
+        connection.sink = reader.feed
+        connection.after_read = reader.read_ended if reader.watches_reads else None
         try:
             while True:
                 if connection.sink_error is not None:

@@ -13,13 +13,13 @@ from collections.abc import (
     Mapping,
 )
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import httpx
 import orjson
 
 from prefixpin.adapters.base import Frame, FrameSink
-from prefixpin.adapters.h1 import PUSHED_BODY, H1Transport, RelayHandoff, _Connection
+from prefixpin.adapters.h1 import PUSHED_BODY, BodyReader, H1Transport, ReadEnd
 from prefixpin.adapters.openai_sse import TokenShape
 from prefixpin.core.errors import (
     UpstreamProtocolError,
@@ -295,67 +295,86 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
             yield classify(item)
 
 
+class WholeEvents(Protocol):
+    """The frame of a read that is exactly one whole item, or None for any other read
+    (``adapters.openai_sse.SameShapeTokens``: one per stream, it keeps what it learns of
+    the stream's token events), and the token shape it learned, if any."""
+
+    def __call__(self, chunk: bytes, /) -> Frame | None: ...
+
+    def shape(self) -> TokenShape | None: ...
+
+
 async def push_decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
                               classify: Callable[[T], Frame], sink: FrameSink, *,
-                              whole: Callable[[bytes], Frame | None] | None = None) -> None:
+                              whole: WholeEvents | None = None) -> None:
     """``decoded_frames``, pushed: the frames of each piece of the body to ``sink`` (one
     frame alone, several as one list), called from the engine connection's read where
     the transport can (``PushedBody``: no task wakes up per read), else as the body is
     iterated. Returns at the body's end; raises what ``sink`` raises, an engine error as
     ``UpstreamError``.
 
-    ``whole``: the frame of a piece that is exactly one whole item (what the decoder
-    would make of it, then ``classify``), or None for any other piece; asked only while
-    the decoder holds nothing, it spares the common piece, one streamed token, the
-    decoder's item and a call or two (``adapters.openai_sse.SameShapeTokens``: one per
-    stream, it may keep what it learns of the stream's token events)."""
-    take_frame, take_frames = sink.take_frame, sink.take_frames
-    last_whole: bytes | None = None  # this read's last piece, if ``whole`` took it
-
-    def feed(chunk: bytes) -> None:
-        nonlocal last_whole
-        if whole is not None and decoder.idle and (frame := whole(chunk)) is not None:
-            last_whole = chunk
-            take_frame(frame)
-            return
-        last_whole = None
-        items = _decoded(decoder, chunk, what)
-        if len(items) == 1:  # one event per read: a token at a time
-            take_frame(classify(items[0]))
-        elif items:
-            take_frames([classify(item) for item in items])
-
-    shape_of: Callable[[], TokenShape | None] | None = getattr(whole, "shape", None)
-    offer_relay: Callable[[RelayHandoff, TokenShape], bool] | None = getattr(
-        sink, "offer_relay", None)
-
-    def after_read(connection: _Connection) -> None:
-        """After a read the connection's parser took whole: the compiled relay is offered
-        the stream when the read ended with a token of the learned shape, between two
-        chunks and two events (the compiled relay starts at a chunk's start), and someone takes
-        offers (``Generation.relay_taker``: a client that can be written by the compiled relay)."""
-        nonlocal last_whole
-        piece, last_whole = last_whole, None
-        if (piece is None or getattr(sink, "relay_taker", None) is None
-                or not connection.at_chunk_end or not decoder.idle
-                or shape_of is None or offer_relay is None):
-            return
-        shape = shape_of()
-        if shape is not None and piece.startswith(shape.head) and piece.endswith(shape.tail):
-            offer_relay(RelayHandoff(connection), shape)
-
-    if shape_of is not None and offer_relay is not None:
-        feed.after_read = after_read  # type: ignore[attr-defined]
-
+    ``whole``: asked only while the decoder holds nothing, it spares the common piece,
+    one streamed token, the decoder's item and a call or two. With it, and a sink with a
+    relay door, the compiled relay is offered the stream after a read that ended with a
+    token of the learned shape (``_FrameFeed.read_ended``)."""
+    reader = _FrameFeed(what, decoder, classify, sink, whole)
     with map_httpx_errors(what):
         body = pushed_body(response)
         if body is not None:
-            await body.push(feed)
+            await body.push(reader)
         else:
             async for chunk in body_chunks(response):
-                feed(chunk)
+                reader.feed(chunk)
         if tail := decoder.flush():
-            take_frames([classify(item) for item in tail])
+            sink.take_frames([classify(item) for item in tail])
+
+
+class _FrameFeed(Generic[T]):
+    """A pushed body's reads, decoded and classified into frames for a sink
+    (``adapters.h1.BodyReader``)."""
+
+    __slots__ = ("_classify", "_decoder", "_door", "_last_whole", "_sink", "_take_frame",
+                 "_take_frames", "_what", "_whole", "watches_reads")
+
+    def __init__(self, what: str, decoder: StreamDecoder[T], classify: Callable[[T], Frame],
+                 sink: FrameSink, whole: WholeEvents | None) -> None:
+        self._what = what
+        self._decoder = decoder
+        self._classify = classify
+        self._sink = sink
+        self._take_frame, self._take_frames = sink.take_frame, sink.take_frames
+        self._whole = whole
+        self._door = sink.relay_door
+        self._last_whole: bytes | None = None  # this read's last piece, if ``whole`` took it
+        self.watches_reads = whole is not None and self._door is not None
+
+    def feed(self, chunk: bytes) -> None:
+        whole = self._whole
+        if whole is not None and self._decoder.idle and (frame := whole(chunk)) is not None:
+            self._last_whole = chunk
+            self._take_frame(frame)
+            return
+        self._last_whole = None
+        items = _decoded(self._decoder, chunk, self._what)
+        if len(items) == 1:  # one event per read: a token at a time
+            self._take_frame(self._classify(items[0]))
+        elif items:
+            self._take_frames([self._classify(item) for item in items])
+
+    def read_ended(self, read: ReadEnd) -> None:
+        """After a read the connection's parser took whole: the compiled relay is offered
+        the stream when the read ended with a token of the learned shape, between two
+        chunks and two events (the compiled relay starts at a chunk's start), and someone
+        takes offers (the door's ``taking``: a client the compiled relay can write)."""
+        piece, self._last_whole = self._last_whole, None
+        door, whole = self._door, self._whole
+        if (piece is None or door is None or whole is None or not door.taking
+                or not read.at_chunk_end or not self._decoder.idle):
+            return
+        shape = whole.shape()
+        if shape is not None and piece.startswith(shape.head) and piece.endswith(shape.tail):
+            door.offer(read.handoff(), shape)
 
 
 def _decoded(decoder: StreamDecoder[T], chunk: bytes, what: str) -> list[T]:
@@ -372,9 +391,9 @@ def _identity_encoded(response: httpx.Response) -> bool:
 
 
 class PushedBody(Protocol):
-    """A body stream that hands each read to a sink from the read itself (``adapters.h1``)."""
+    """A body stream that hands each read to a reader from the read itself (``adapters.h1``)."""
 
-    async def push(self, sink: Callable[[bytes], None]) -> None: ...
+    async def push(self, reader: BodyReader) -> None: ...
 
 
 def pushed_body(response: httpx.Response) -> PushedBody | None:

@@ -12,7 +12,7 @@ OpenAI chunks, and ends with a ``"stop": true`` event instead of ``[DONE]``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -217,6 +217,10 @@ class _LlamaStream:
     def aiter_frames(self) -> AsyncIterator[Frame]:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")
         return decoded_frames(self._response, self._what, SSEDecoder(), self._classify)
+
+    @property
+    def pusher(self) -> Callable[[FrameSink], Awaitable[None]]:
+        return self.push_frames
 
     async def push_frames(self, sink: FrameSink) -> None:
         expect_media_type(self._what, self.content_type, "text/event-stream", "an event stream")

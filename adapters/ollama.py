@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -191,6 +191,10 @@ class _OllamaStream:
             self._note_cached_field(frame)
             yield frame
 
+    @property
+    def pusher(self) -> Callable[[FrameSink], Awaitable[None]]:
+        return self.push_frames
+
     async def push_frames(self, sink: FrameSink) -> None:
         noted = _Noting(self._note_cached_field, sink)
         if self._native:
@@ -312,3 +316,7 @@ class _Noting:
     def take_frame(self, frame: Frame) -> None:
         self._note(frame)
         self._sink.take_frame(frame)
+
+    @property
+    def relay_door(self) -> None:
+        return None  # Ollama's events are not llama-server's: the compiled relay never takes them

@@ -57,14 +57,15 @@ class GivenBack:
     last_write: float
 
 
-class Leg(Protocol):
-    """What the compiled relay hands a stream back to (the token the stream was adopted with)."""
+class Hold(Protocol):
+    """What a stream is adopted with, and given back to (``proxy.relay.StreamHold``): the
+    one handle of a stream in the compiled relay, in C and in Python."""
 
     def given_back(self, back: GivenBack) -> None: ...
 
 
 class CompiledRelay:
-    """One loop's compiled relay. ``adopt`` a stream; what it gives back reaches its ``Leg``, from
+    """One loop's compiled relay. ``adopt`` a stream; what it gives back reaches its ``Hold``, from
     the loop's callback (``run``) or from ``reclaim`` itself."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -78,11 +79,11 @@ class CompiledRelay:
         self.relayed = 0  # token events the compiled relay wrote (as given back so far)
 
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
-              leg: Leg) -> None:
+              hold: Hold) -> None:
         """The relay takes the stream's token events from now on: the engine socket's
         reading must be paused in the loop, and every byte written to the client so far
         must have left (the compiled relay writes to the socket itself)."""
-        self._core.adopt(engine_fd, client_fd, head, tail, leg)
+        self._core.adopt(engine_fd, client_fd, head, tail, hold)
         self.adopted += 1
 
     def run(self) -> None:
@@ -90,18 +91,18 @@ class CompiledRelay:
         for item in self._core.run():
             self._hand_back(item)
 
-    def reclaim(self, leg: Leg) -> bool:
+    def reclaim(self, hold: Hold) -> bool:
         """Give the stream back now (its ``given_back`` runs before this returns); False
         when the compiled relay does not hold it."""
-        item = self._core.reclaim(leg)
+        item = self._core.reclaim(hold)
         if item is None:
             return False
         self._hand_back(item)
         return True
 
-    def drop(self, leg: Leg) -> bool:
+    def drop(self, hold: Hold) -> bool:
         """Forget the stream without giving anything back (its connections are closing)."""
-        return bool(self._core.drop(leg))
+        return bool(self._core.drop(hold))
 
     @property
     def held(self) -> int:
@@ -111,11 +112,11 @@ class CompiledRelay:
         self.loop.remove_reader(self._fd)
         self._core.close()
 
-    def _hand_back(self, item: tuple[Leg, bytes, int, bytes, bytes, float, float]) -> None:
-        leg, relayed, count, engine, unsent, last_read, last_write = item
+    def _hand_back(self, item: tuple[Hold, bytes, int, bytes, bytes, float, float]) -> None:
+        hold, relayed, count, engine, unsent, last_read, last_write = item
         self.relayed += count
         try:
-            leg.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write))
+            hold.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write))
         except Exception as exc:  # one stream's failure: never the other streams' turn
             self.loop.call_exception_handler({
                 "message": "a stream given back by the compiled relay failed", "exception": exc})

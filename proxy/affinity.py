@@ -109,18 +109,15 @@ class AffinityPlanner:
                     else client.body)
         as_planned = decision.body is None or decision.body is planned
         preferred = self.pool.holder_of(session.id)
-        notes: dict[str, Any] = {"tier": decision.tier, "decision": session.last_decision,
-                                 "reason": session.last_reason, "kind": session.kind,
-                                 "namespace": namespace, "upstream": backend.label}
+        notes: dict[str, Any] = {"reason": session.last_reason, "kind": session.kind,
+                                 "namespace": namespace}
         if session.key is not None:
             notes["key"] = session.key
-        final = identity is not None and identity.final
-        if final:
-            notes["final"] = True  # for the request's log line
         plan = Plan(path=client.path, body=body, session=session.id, notes=notes,
                     want=Want(session.id, session.kind, preferred, session.prompt_tokens),
                     chain=decision.chain, repairs=decision.repairs, lane=backend.label,
-                    decision=session.last_decision, final=final,
+                    decision=session.last_decision, tier=decision.tier,
+                    final=identity is not None and identity.final,
                     # the body as planned (not rewritten by repair): the request's own
                     # digests and shape
                     digests=(digests if as_planned
@@ -158,7 +155,7 @@ class AffinityPlanner:
             restored = await self.parking.restore(session, planned_body(plan.path, plan.body),
                                                   lease.slot)
             if restored is not None:
-                plan.notes["park"] = restored.note
+                plan.park = restored.note
                 if restored.ok:
                     blocked = None  # the slot now holds this session's own history only
             if (self.openings is not None and session.committed is None
@@ -166,7 +163,7 @@ class AffinityPlanner:
                 seeded = await self.openings.seed(session.namespace, session.id, plan.body,
                                                   lease.slot, blocked=blocked is not None)
                 if seeded is not None:
-                    plan.notes["opening"] = seeded.note
+                    plan.opening = seeded.note
                     blocked = None  # the slot holds this namespace's opening only
         if blocked is not None:
             plan.body["cache_prompt"] = False

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from prefixpin.core.compiled_relay import CompiledRelay
+from prefixpin.proxy.uvicorn_seam import ResponseCycle
 
 # The longest a byte is kept when the turn goes on (checked as other connections write):
 # a turn that reads engine events is a few milliseconds even at hundreds of streams, one
@@ -194,7 +195,7 @@ class ChunkedBodyWriter:
 
     __slots__ = ("_cycle",)
 
-    def __init__(self, cycle: Any) -> None:
+    def __init__(self, cycle: ResponseCycle) -> None:
         self._cycle = cycle
 
     def write(self, body: bytes) -> bool:
@@ -205,7 +206,7 @@ class ChunkedBodyWriter:
         return True
 
 
-def _writable_now(cycle: Any) -> bool:
+def _writable_now(cycle: ResponseCycle) -> bool:
     """A started chunked response, not complete, its client there, its socket under the
     high-water mark: a body chunk may be written to the transport without ``send``."""
     return (cycle.chunked_encoding is True and not cycle.response_complete
@@ -222,7 +223,7 @@ class RelayClient:
 
     __slots__ = ("_cycle", "relay")
 
-    def __init__(self, cycle: Any, relay: CompiledRelay) -> None:
+    def __init__(self, cycle: ResponseCycle, relay: CompiledRelay) -> None:
         self._cycle = cycle
         self.relay = relay
 

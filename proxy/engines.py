@@ -31,6 +31,7 @@ from prefixpin.adapters.http import EngineClient, EngineKey
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
 from prefixpin.proxy.affinity import AffinityPlanner
+from prefixpin.proxy.backends import Load
 from prefixpin.proxy.engine_facts import ServerFlags, local_server_flags
 from prefixpin.proxy.implicit import Fingerprinter, load_fingerprinter
 from prefixpin.proxy.lane import Lane, SharedState
@@ -43,7 +44,7 @@ from prefixpin.proxy.parking.limits import EngineLimits, limits_from
 from prefixpin.proxy.parking.openings import Openings
 from prefixpin.proxy.placement import SlotPool
 from prefixpin.proxy.repair import RepairConfig, Repairer
-from prefixpin.proxy.service import Planner
+from prefixpin.proxy.service import LanePolicies, Planner
 from prefixpin.proxy.sessions import Session, SessionStore
 from prefixpin.proxy.settings import Settings
 from prefixpin.proxy.shared import SharedStatePlanner
@@ -287,31 +288,32 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     shared = ctx.shared
     limits = await asyncio.to_thread(limits_from, info, lane.flags)
-    lane.anchorer = anchorer_for(ctx, lane, limits)
+    anchorer = anchorer_for(ctx, lane, limits)
     parking = await open_parking(settings, adapter, info, ctx.store, ctx.metrics, logger,
                                  lane=lane.label, flags=lane.flags, limits=limits,
                                  cluster=shared.cluster if shared is not None else None,
                                  shared_sessions=shared.sessions if shared else None,
-                                 anchorer=lane.anchorer)
+                                 anchorer=anchorer)
     on_evict = parking.park if parking is not None else None
     pool: SlotPool
     refresh: Callable[[], Awaitable[None]] | None = None
+    load_of: Callable[[], Awaitable[Load]] | None = None
     if shared is not None:
         from prefixpin.proxy.cluster.slots import SharedSlotPool
 
         shared_pool = SharedSlotPool(shared.cluster, lane.label, info.n_slots, logger,
                                      on_evict=on_evict)
         await shared_pool.adopt_engine(info)
-        pool, refresh, lane.load_of = shared_pool, shared_pool.recent, shared_pool.load
+        pool, refresh, load_of = shared_pool, shared_pool.recent, shared_pool.load
     else:
         pool = SlotPool(info.n_slots, on_evict=on_evict)
-    service.pool, lane.parking = pool, parking
-    lane.openings = openings_for(ctx, lane, limits, parking)
+    openings = openings_for(ctx, lane, limits, parking)
     planner = AffinityPlanner(ctx.store, pool, ctx.metrics, fingerprinter, logger,
                               repairer_for(settings, fingerprinter, logger),
                               budget_tokens=info.n_ctx_slot or None, parking=parking,
-                              anchorer=lane.anchorer, openings=lane.openings)
-    service.planner = _shared(ctx, planner, refresh)
+                              anchorer=anchorer, openings=openings)
+    lane.adopt(LanePolicies(_shared(ctx, planner, refresh), pool=pool, parking=parking,
+                            anchorer=anchorer, openings=openings, load_of=load_of))
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
         if shared is not None:
@@ -380,7 +382,7 @@ async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> 
     inner = AffinityPlanner(ctx.store, SlotPool(0), ctx.metrics, fingerprinter, logger,
                             repairer_for(settings, fingerprinter, logger))
     planner = OllamaPlanner(inner, ctx.metrics, logger, lane.label)
-    service.planner, lane.models = _shared(ctx, planner), planner
+    lane.adopt(LanePolicies(_shared(ctx, planner), models=planner))
     lane.watch.on_lost.append(planner.engine_lost)
     log_event(logger, logging.INFO, "sessions on", upstream=lane.label, engine="ollama",
               slots="chosen by Ollama", implicit=fingerprinter is not None,

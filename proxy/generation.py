@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from prefixpin.adapters.base import Frame, FrameKind, Progress, UpstreamStream, pusher_of
+from prefixpin.adapters.base import Frame, FrameKind, Progress, UpstreamStream
 from prefixpin.core.errors import (
     GenerationCancelledError,
     ProxyError,
@@ -35,6 +35,26 @@ if TYPE_CHECKING:
     from prefixpin.adapters.openai_sse import TokenShape
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
+
+
+class RelayHold(Protocol):
+    """A taker's hold on the stream's token events while a relay outside the log writes
+    them to its client (``proxy.relay.StreamHold``)."""
+
+    def reclaim(self) -> None:
+        """Have the events back now: the ones written so far reach the log
+        (``take_delivered``) before this returns."""
+        ...
+
+
+class StreamTaker(Protocol):
+    """The one client that may take the stream's token events off the log's path
+    (``proxy.relay.LiveStream`` where the server runs the compiled relay)."""
+
+    def take_relay(self, handoff: RelayHandoff, shape: TokenShape) -> RelayHold | None:
+        """Take the engine connection's offer: the hold, or None when this client cannot
+        be written directly now."""
+        ...
 # Read per frame: globals, not enum lookups.
 _ERROR, _DONE, _CHUNK = FrameKind.ERROR, FrameKind.DONE, FrameKind.CHUNK
 
@@ -87,12 +107,11 @@ class Generation:
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._done_callbacks: list[Callable[[Generation], None]] = []
-        # The compiled relay (``core.compiled_relay``): who takes an engine connection's
-        # offer of its token events (the one client's live stream, ``proxy.relay``), and,
-        # while the relay holds them, how to have them back (the log lacks them till then).
-        self.relay_taker: Callable[[RelayHandoff, TokenShape], bool] | None = None
-        self.relay_reclaim: Callable[[], None] | None = None
-        self.compiled_events = 0  # token events the compiled relay wrote (for the log)
+        # Who takes an engine connection's offer of its token events (``relay_to``), and,
+        # while a taker holds them, its hold (the log lacks them till they come back).
+        self._taker: StreamTaker | None = None
+        self._hold: RelayHold | None = None
+        self.delivered_events = 0  # token events a taker wrote past the log (for the log)
 
     @property
     def answered(self) -> bool:
@@ -149,32 +168,58 @@ class Generation:
             self._wakeup = asyncio.Event()
         return self._wakeup
 
-    def offer_relay(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
-        """The engine connection offers its token events to the compiled relay (after a read
-        that ended with a token of ``shape``, between two events). Taken only when one
-        client listens and nobody else watches the log (no waiter for a change: a
-        second client, the replicas' tap), by that client (``relay_taker``)."""
-        taker = self.relay_taker
-        if (taker is None or self.relay_reclaim is not None or self.completed
+    # ---------------------------------------------------------------- the relay door
+    # (``adapters.base.RelayDoor``: the engine connection's offers come here)
+
+    @property
+    def relay_door(self) -> Generation:
+        return self
+
+    @property
+    def taking(self) -> bool:
+        return self._taker is not None
+
+    def relay_to(self, taker: StreamTaker) -> None:
+        """``taker`` is offered the stream's token events from now on (the last client to
+        ask: a second one never gets an offer while the first listens, see ``offer``)."""
+        self._taker = taker
+
+    def stop_relaying_to(self, taker: StreamTaker) -> None:
+        if self._taker is taker:
+            self._taker = None
+
+    def offer(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
+        """The engine connection offers its token events (after a read that ended with a
+        token of ``shape``, between two events). Taken only when one client listens and
+        nobody else watches the log (no waiter for a change: a second client, the
+        replicas' tap), by that client's taker."""
+        taker = self._taker
+        if (taker is None or self._hold is not None or self.completed
                 or len(self._listeners) != 1 or self._wakeup is not None
                 or self._subscribers != 1):
             return False
-        return taker(handoff, shape)
+        self._hold = taker.take_relay(handoff, shape)
+        return self._hold is not None
+
+    def released(self, hold: RelayHold) -> None:
+        """``hold`` gave the stream back (its events are in the log)."""
+        if self._hold is hold:
+            self._hold = None
 
     def reclaim_relay(self) -> None:
-        """If the compiled relay holds this generation's token events, have them back now."""
-        if (reclaim := self.relay_reclaim) is not None:
-            reclaim()
+        """If a taker holds this generation's token events, have them back now."""
+        if (hold := self._hold) is not None:
+            hold.reclaim()
 
     def take_delivered(self, frames: list[Frame], subscriber: Subscriber) -> None:
-        """Token frames the compiled relay already wrote to ``subscriber`` (the one client),
-        into the log: read by nobody else, so no change is announced."""
+        """Token frames a taker already wrote to ``subscriber`` (the one client), into the
+        log: read by nobody else, so no change is announced."""
         log = self.frames
         if subscriber.position != len(log):
-            raise RuntimeError("the compiled relay's client was behind the log")
+            raise RuntimeError("the relay's client was behind the log")
         log.extend(frames)
         subscriber.position = len(log)
-        self.compiled_events += len(frames)
+        self.delivered_events += len(frames)
 
     def listen(self, listener: Callable[[], None]) -> None:
         """``listener()`` at every change from now on, called by the change itself (in the
@@ -217,7 +262,7 @@ class Generation:
             body = await upstream.aread_error()
             raise UpstreamStatusError(upstream.status_code, body, upstream.content_type)
         self._set_head(Head(upstream.status_code))
-        if (push := pusher_of(upstream)) is not None:
+        if (push := upstream.pusher) is not None:
             # Each engine read's frames land here from the read itself: the clients are
             # the only tasks woken per read.
             await push(self)

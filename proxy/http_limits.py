@@ -66,6 +66,15 @@ def http_options(*, compiled_relay: bool = False,
                 "proxy_headers": False}
 
 
+def compiled_relay_of(http: object) -> relay_core.CompiledRelay | None:
+    """The compiled relay that servers given ``http`` (``http_options()["http"]``) hand
+    streams to, with its counts (``adopted``, ``relayed``, ``held``): None where they run
+    without it (off, not built, h11) or before its first request; read on its loop, or
+    after the servers stopped."""
+    relay = getattr(http, "_compiled_relay", None)
+    return relay if isinstance(relay, relay_core.CompiledRelay) else None
+
+
 def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, with an OpenAI error body."""
     body = json.dumps(openai_error(message, "invalid_request_error", code=code)).encode()

@@ -5,12 +5,11 @@ replicas sharing state in Redis, are the same router with more lanes (``proxy.ro
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefixpin.proxy.backends import Load
-from prefixpin.proxy.service import ProxyService
+from prefixpin.proxy.service import LanePolicies, ProxyService
 from prefixpin.proxy.watch import EngineWatch
 
 if TYPE_CHECKING:  # the redis package is only needed with --redis
@@ -42,11 +41,6 @@ class Lane:
     service: ProxyService
     watch: EngineWatch
     ready: bool = False  # the engine answered once and its policies are on
-    parking: ParkManager | None = None
-    anchorer: Anchorer | None = None  # recurrent/hybrid memory: idle slots anchored
-    openings: Openings | None = None  # new sessions start from their namespace's opening
-    models: OllamaPlanner | None = None  # an engine with a model lifecycle (Ollama)
-    load_of: Callable[[], Awaitable[Load]] | None = None  # the shared slot table's view
     # A dedicated backend (--upstreams-file namespace=): only these namespaces are placed
     # here; empty: any namespace.
     namespaces: frozenset[str] = frozenset()
@@ -75,14 +69,34 @@ class Lane:
             return "engine dropped a stream (being probed)"
         return "engine unreachable (health check)"
 
+    def adopt(self, policies: LanePolicies) -> None:
+        """Switch the lane's request path to ``policies``, all at once."""
+        self.service.policies = policies
+
+    @property
+    def parking(self) -> ParkManager | None:
+        return self.service.policies.parking
+
+    @property
+    def anchorer(self) -> Anchorer | None:  # recurrent/hybrid memory: idle slots anchored
+        return self.service.policies.anchorer
+
+    @property
+    def openings(self) -> Openings | None:  # new sessions start from their namespace's opening
+        return self.service.policies.openings
+
+    @property
+    def models(self) -> OllamaPlanner | None:  # an engine with a model lifecycle (Ollama)
+        return self.service.policies.models
+
     @property
     def slots(self) -> int:
         info = self.service.backend.info
         return max(1, info.n_slots) if info is not None else 1
 
     async def load(self) -> Load:
-        if self.load_of is not None:
-            return await self.load_of()
+        if (load_of := self.service.policies.load_of) is not None:  # the shared slot table's
+            return await load_of()
         pool = self.service.pool
         if pool is None:
             return Load(self.slots, len(self.service.generations), 0)

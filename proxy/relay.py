@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -88,14 +87,14 @@ class LiveStream(StreamResponse):
 
     While this response's task sleeps, every change of the generation
     (``Generation.listen``: in the engine connection's read) encodes the frames this client
-    has not read, up to ``BATCH_FRAMES`` a write, and sends them there and then: no task
-    wakes per event. What must wait is handed to this task: a send that cannot finish at
-    once (the client reads slowly and the server waits for its socket to drain), which it
-    finishes before writing what arrived meanwhile and sleeping again; the heartbeat after
-    ``heartbeat_s`` of silence (one timer per client, moved on only when it fires early);
-    the end (the encoder's tail, the late error); and an error of a write, raised here,
-    never in the generation. With a server whose ``send`` always suspends, every write is
-    handed over: as before, one wake-up per batch."""
+    has not read, up to ``BATCH_FRAMES`` a write, and writes them there and then with the
+    server's plain writer of a body chunk (``proxy.client_writes.BODY_WRITER``): no task
+    wakes per event. What must wait is this task's: bytes the plain writer declined (the
+    client reads slowly: its socket drains) or, on a server without one, every batch,
+    which the task ``send``s before writing what arrived meanwhile and sleeping again
+    (one wake-up per batch); the heartbeat after ``heartbeat_s`` of silence (one timer
+    per client, moved on only when it fires early); the end (the encoder's tail, the
+    late error); and an error of a write, raised here, never in the generation."""
 
     def __init__(self, codec: Codec, subscriber: Subscriber, client: ClientRequest,
                  heartbeat_s: float, on_heartbeat: Callable[[], None],
@@ -108,12 +107,13 @@ class LiveStream(StreamResponse):
         self._raw_chunks = self._encode.raw_chunks  # (fixed per encoder: read per event)
         self._heartbeat_s = heartbeat_s
         self._on_heartbeat = on_heartbeat
-        self._send: Send | None = None
         # The server's plain writer of a body chunk, where it has one (``send`` otherwise).
         self._write_body: Callable[[bytes], bool] | None = None
         self._asleep = False  # changes write this client's frames only while it sleeps
         self._waiter: asyncio.Future[bool] | None = None
-        self._handed: tuple[Generator[Any, Any, Any], Any] | None = None  # a send waiting
+        # Encoded bytes the plain writer declined in a change (the socket drains), for this
+        # task to ``send``: it writes them first.
+        self._pending = b""
         self._failed: Exception | None = None
         self._quiet_until = 0.0  # the next heartbeat is due then, unless something is sent
         self._timer: asyncio.TimerHandle | None = None
@@ -121,7 +121,7 @@ class LiveStream(StreamResponse):
         # The compiled relay (``core.compiled_relay``), where the server runs it: this
         # client's socket for it, and its hold on this stream's token events, if any.
         self._relay_client: RelayClient | None = None
-        self._held: _Held | None = None
+        self._hold: StreamHold | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extensions = scope.get("extensions") or {}
@@ -139,25 +139,21 @@ class LiveStream(StreamResponse):
             ready = subscriber.take_ready(BATCH_FRAMES)
             opening = codec.opening + self._encode.encode(ready) if ready else codec.opening
             await send(_body(opening))
-            self._send = send
             generation.listen(self._on_change)
             if self._relay_client is not None and self._write_body is not None:
-                generation.relay_taker = self._take_relay
+                generation.relay_to(self)
             await self._follow(send)
             if tail := self._encode.flush():
                 await send(_body(tail))
             if generation.error is not None and not generation.completed:
                 await send(_body(codec.late_error(generation.error)))
         finally:
-            if self._held is not None:  # (the client left, or a write failed)
-                self._held.reclaim()
-            if generation.relay_taker == self._take_relay:
-                generation.relay_taker = None
+            if self._hold is not None:  # (the client left, or a write failed)
+                self._hold.reclaim()
+            generation.stop_relaying_to(self)
             generation.unlisten(self._on_change)
             if self._timer is not None:
                 self._timer.cancel()
-            if self._handed is not None:
-                self._handed[0].close()
             subscriber.close()
 
     async def _follow(self, send: Send) -> None:
@@ -166,9 +162,9 @@ class LiveStream(StreamResponse):
         encode, monotonic, write_body = self._encode.encode, time.monotonic, self._write_body
         self._quiet_until = monotonic() + self._heartbeat_s
         while True:
-            if self._handed is not None:
-                await _Handed(*self._handed)
-                self._handed = None
+            if pending := self._pending:
+                self._pending = b""
+                await send(_body(pending))
             if self._failed is not None:
                 raise self._failed
             while frames := subscriber.take_ready(BATCH_FRAMES):  # while this task was busy
@@ -186,7 +182,8 @@ class LiveStream(StreamResponse):
 
     def _on_change(self) -> None:
         """The generation changed (called by the change itself): this client's new frames
-        sent now if this task sleeps (else it writes them itself before it sleeps again)."""
+        written now by the server's plain writer if this task sleeps (else, or without
+        that writer, the task writes them before it sleeps again)."""
         if not self._asleep:
             return
         subscriber, log = self._subscriber, self._generation.frames
@@ -201,25 +198,23 @@ class LiveStream(StreamResponse):
                 subscriber.position = position + 1
                 self._quiet_until = time.monotonic() + self._heartbeat_s
                 return
-        send = self._send
         write_body = self._write_body
-        assert send is not None
+        if write_body is None:  # ``send`` is a coroutine: only this task runs it
+            self._wake(True)
+            return
         try:
             while subscriber.position < len(log):
                 frames = subscriber.take_ready(BATCH_FRAMES)
                 if not (out := self._encode.encode(frames)):
                     continue
                 self._quiet_until = time.monotonic() + self._heartbeat_s
-                if write_body is not None and write_body(out):
+                if write_body(out):
                     continue  # written as ``send`` would have, without it
-                sending = send(_body(out)).__await__()
-                # Run the send: one that need not wait ends in this loop's first step
-                # (iterated, a coroutine that returns None raises no StopIteration: an
-                # exception per event was a tenth of this function's cost).
-                for waits_on in sending:  # it waits (for the socket to drain): handed over
-                    self._handed = (sending, waits_on)
-                    self._wake(True)
-                    return
+                # Declined (the socket drains): this task ``send``s it, and what arrives
+                # meanwhile after it.
+                self._pending = out
+                self._wake(True)
+                return
             if self._generation.answered:
                 self._wake(True)
         except Exception as exc:  # this client's failure, not the generation's
@@ -260,109 +255,84 @@ class LiveStream(StreamResponse):
         self._timer = None
         if not self._asleep:
             return  # awake: the next sleep arms it again
-        if self._held is not None:  # what the compiled relay wrote moves the silence's start
-            self._held.reclaim()  # (a change it brings that wakes the task: _wake is a no-op)
+        if self._hold is not None:  # what the compiled relay wrote moves the silence's start
+            self._hold.reclaim()  # (a change it brings that wakes the task: _wake is a no-op)
         now = time.monotonic()
         if now >= self._quiet_until - TIMER_SLACK_S:
             self._wake(False)
         else:  # something was sent since it was armed: the silence starts later
             self._arm(asyncio.get_running_loop(), self._quiet_until, now)
 
-    def _take_relay(self, handoff: RelayHandoff, shape: TokenShape) -> bool:
-        """The engine connection's offer (``Generation.offer_relay``): the compiled relay
-        takes this stream's token events from now on, if this client is caught up and
-        idle (asleep, nothing handed over or failed, every frame of the log written, the
-        encoder passing tokens as their bytes) and its socket can be written directly."""
+    def take_relay(self, handoff: RelayHandoff, shape: TokenShape) -> StreamHold | None:
+        """The engine connection's offer (``Generation.offer``, this stream its taker): the
+        compiled relay takes this stream's token events from now on, if this client is
+        caught up and idle (asleep, nothing pending or failed, every frame of the log
+        written, the encoder passing tokens as their bytes) and its socket can be written
+        directly."""
         client = self._relay_client
-        if (client is None or self._held is not None or not self._asleep
-                or self._handed is not None or self._failed is not None
+        if (client is None or self._hold is not None or not self._asleep
+                or self._pending or self._failed is not None
                 or not self._encode.passes_tokens()
                 or self._subscriber.position != len(self._generation.frames)):
-            return False
+            return None
         client_fd = client.socket()
         if client_fd is None:
-            return False
+            return None
         try:
             engine_fd = handoff.fileno
         except OSError:
-            return False
-        held = _Held(self, handoff, shape)
+            return None
+        hold = StreamHold(self, client, handoff, shape)
         handoff.pause()
         try:
-            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, held)
+            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, hold)
         except OSError:
             handoff.resume(b"", time.monotonic())
-            return False
-        self._held = held
-        handoff.reclaim = self._generation.relay_reclaim = held.reclaim
-        return True
+            return None
+        self._hold = hold
+        handoff.reclaim = hold.reclaim
+        return hold
 
-    def _relay_gave_back(self, held: _Held, back: GivenBack) -> None:
+    def relay_gave_back(self, hold: StreamHold, back: GivenBack) -> None:
         """The compiled relay let this stream go: its relayed tokens into the log (written
         to this client already), then the client bytes it did not write, then the engine
         bytes it did not relay, to the connection (what they hold is written as any change
         is). The handoff is spent: the connection forgets it as it resumes."""
-        if self._held is not held:
+        if self._hold is not hold:
             return
-        self._held = None
-        self._generation.relay_reclaim = None
+        self._hold = None
+        self._generation.released(hold)
         try:
             if back.count:
-                self._generation.take_delivered(held.shape.frames(back.relayed, back.count),
+                self._generation.take_delivered(hold.shape.frames(back.relayed, back.count),
                                                 self._subscriber)
         finally:
-            if back.unsent and self._relay_client is not None:
-                self._relay_client.write_framed(back.unsent)
+            if back.unsent:
+                hold.client.write_framed(back.unsent)
             if back.count:
                 self._quiet_until = max(self._quiet_until, back.last_write + self._heartbeat_s)
-            held.handoff.resume(back.engine, back.last_read)
+            hold.handoff.resume(back.engine, back.last_read)
 
 
-class _Held:
-    """A live stream's token events in the compiled relay (the token it holds them by)."""
+class StreamHold:
+    """A live stream's token events in the compiled relay: what the stream is adopted
+    with (``core.compiled_relay.Hold``) and the generation's hold on them
+    (``proxy.generation.RelayHold``)."""
 
-    __slots__ = ("_stream", "handoff", "shape")
+    __slots__ = ("client", "handoff", "shape", "stream")
 
-    def __init__(self, stream: LiveStream, handoff: RelayHandoff, shape: TokenShape) -> None:
-        self._stream = stream
+    def __init__(self, stream: LiveStream, client: RelayClient, handoff: RelayHandoff,
+                 shape: TokenShape) -> None:
+        self.stream = stream
+        self.client = client
         self.handoff = handoff
         self.shape = shape
 
     def reclaim(self) -> None:
-        client = self._stream._relay_client
-        if client is not None:
-            client.relay.reclaim(self)
+        self.client.relay.reclaim(self)
 
     def given_back(self, back: GivenBack) -> None:
-        self._stream._relay_gave_back(self, back)
-
-
-class _Handed:
-    """A send that suspended outside any task (in ``LiveStream._on_change``), finished by
-    the task awaiting this: each future it waits on goes to that task, and what the task
-    resumes it with (a result, a cancellation) goes back to it, until it returns."""
-
-    __slots__ = ("_sending", "_waits_on")
-
-    def __init__(self, sending: Generator[Any, Any, Any], waits_on: Any) -> None:
-        self._sending = sending
-        self._waits_on = waits_on  # what it yielded first: the future it waits on
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        sending, waits_on = self._sending, self._waits_on
-        while True:
-            try:
-                resumed = yield waits_on
-            except BaseException as exc:
-                try:
-                    waits_on = sending.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    waits_on = sending.send(resumed)
-                except StopIteration:
-                    return
+        self.stream.relay_gave_back(self, back)
 
 
 def _body(chunk: bytes) -> Message:

@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -46,6 +46,13 @@ from prefixpin.proxy.settings import Settings
 from prefixpin.proxy.tenants import CREDENTIAL_HEADERS
 from prefixpin.proxy.tokens import scope as token_scope
 from prefixpin.proxy.validation import ClientRequest
+
+if TYPE_CHECKING:
+    from prefixpin.proxy.backends import Load
+    from prefixpin.proxy.ollama import OllamaPlanner
+    from prefixpin.proxy.parking import ParkManager
+    from prefixpin.proxy.parking.anchor import Anchorer
+    from prefixpin.proxy.parking.openings import Openings
 
 # A request on a slot that reuses this many tokens fewer than the slot's previous prompt is
 # a prefix break: the engine re-read a conversation it already held.
@@ -108,7 +115,8 @@ class Plan:
     session: str | None = None
     want: Want | None = None  # a slot lease to take first; None lets the engine choose
     slot: int | None = None  # the slot the request ran in, once known
-    notes: dict[str, Any] = field(default_factory=dict)  # decision fields for the log line
+    # The log line's free-form fields (why, where from): nothing reads them back.
+    notes: dict[str, Any] = field(default_factory=dict)
     chain: Chain | None = None  # the request's fingerprint chain, committed with the turn
     digests: Sequence[bytes] | None = None  # digests of the forwarded messages
     shape: Shape | None = None  # shape_digest of the forwarded body, when known
@@ -121,6 +129,20 @@ class Plan:
     decision: str | None = None
     cache_blocked: bool = False
     final: bool = False  # the client ends the session with this request
+    tier: str | None = None  # which identity tier named the session (header, chain, ...)
+    park: str | None = None  # the parked session's restore into the slot: its outcome
+    opening: str | None = None  # the namespace's opening seeded into the slot: its outcome
+
+    def log_fields(self) -> dict[str, Any]:
+        """The decision's fields for the request's log line, typed first, then the notes."""
+        fields: dict[str, Any] = {"tier": self.tier, "decision": self.decision,
+                                  **self.notes}
+        for name, value in (("park", self.park), ("opening", self.opening)):
+            if value is not None:
+                fields[name] = value
+        if self.final:
+            fields["final"] = True
+        return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +208,26 @@ class SlotLedger:
             del self.prompts[key]
 
 
+@dataclass(frozen=True, slots=True)
+class LanePolicies:
+    """What a lane does with its engine's requests, built whole by its engine kind's
+    factory once the engine answers (``proxy.engines``) and swapped as one
+    (``Lane.adopt``): the planner, the slot pool, parking and what rides on it, the model
+    lifecycle, and where placement reads the lane's load (None: from the pool)."""
+
+    planner: Planner
+    pool: SlotPool | None = None
+    parking: ParkManager | None = None
+    anchorer: Anchorer | None = None
+    openings: Openings | None = None
+    models: OllamaPlanner | None = None
+    load_of: Callable[[], Awaitable[Load]] | None = None
+
+
 class ProxyService:
-    """One lane's request path: its engine (``backend``), slot pool and planner. The
-    planner and pool start as pass-through and no slots; the lane switches on what its
-    engine supports once the engine answers (``proxy.engines``)."""
+    """One lane's request path: its engine (``backend``) and its policies. The policies
+    start as pass-through with no slots; the lane swaps in what its engine supports once
+    the engine answers (``proxy.engines``)."""
 
     def __init__(self, settings: Settings, backend: Backend, metrics: Metrics, *,
                  logger: logging.Logger | None = None, inflight: InFlight | None = None,
@@ -197,8 +235,7 @@ class ProxyService:
         self.settings = settings
         self.backend = backend
         self.metrics = metrics
-        self.planner: Planner = PassThroughPlanner()
-        self.pool: SlotPool | None = None
+        self.policies = LanePolicies(PassThroughPlanner())
         self.ledger = SlotLedger()
         self.log = logger or get_logger()
         self.generations: set[Generation] = set()
@@ -214,6 +251,14 @@ class ProxyService:
         # Called when a generation loses its engine connection (the engine watch probes at
         # once: a killed engine's sessions are marked unverified within a probe).
         self.on_upstream_lost = on_upstream_lost
+
+    @property
+    def planner(self) -> Planner:
+        return self.policies.planner
+
+    @property
+    def pool(self) -> SlotPool | None:
+        return self.policies.pool
 
     async def handle(self, request: Request, incoming: Incoming) -> Response:
         """One parsed request (the router read and parsed it) through plan, generation and
@@ -328,8 +373,8 @@ class ProxyService:
             plan.notes["cached_tokens_estimated"] = estimated
         if figures.load_ms is not None:
             plan.notes["load_ms"] = round(figures.load_ms, 1)
-        if generation.compiled_events:
-            plan.notes["compiled_relay_events"] = generation.compiled_events
+        if generation.delivered_events:
+            plan.notes["compiled_relay_events"] = generation.delivered_events
         if figures.prompt_tokens is not None and outcome == "ok":
             self._observe_cache(self.backend.label, client.api, figures, estimated)
         timeline = generation.timeline
@@ -382,7 +427,7 @@ class ProxyService:
                 "session": plan.session, "stream": record.client.stream,
                 "prompt_tokens": figures.prompt_tokens, "cached_tokens": figures.cached_tokens,
                 "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
-                "prefill_ms": figures.prompt_ms, **plan.notes,
+                "prefill_ms": figures.prompt_ms, **plan.log_fields(),
             }
             if record.error is not None and record.outcome != "ok":
                 fields["error"] = record.error

@@ -371,6 +371,10 @@ class MirrorStream:
     status_code: int
     content_type: str | None = None
 
+    @property
+    def pusher(self) -> None:
+        return None  # read from Redis by a task: nothing pushes its frames
+
     async def aread_error(self) -> bytes:
         return b""
 

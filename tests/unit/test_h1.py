@@ -18,6 +18,7 @@ from prefixpin.adapters.h1 import (
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
     H1Transport,
+    ReadEnd,
     engine_transport,
 )
 from prefixpin.adapters.http import EngineClient, pushed_body, send_with_stale_retry
@@ -321,13 +322,25 @@ def test_the_engine_client_keeps_no_cookie() -> None:
     assert not any(b"cookie:" in request.lower() for request in seen)
 
 
+class ChunkReader:
+    """A ``BodyReader`` that hands each read's bytes to ``on_chunk`` and watches no read."""
+
+    watches_reads = False
+
+    def __init__(self, on_chunk: Callable[[bytes], None]) -> None:
+        self.feed = on_chunk
+
+    def read_ended(self, read: ReadEnd) -> None:
+        raise AssertionError("a reader that watches no read is not told of one")
+
+
 async def push_all(http: httpx.AsyncClient, on_chunk: Callable[[bytes], None]) -> None:
     request = http.build_request("POST", "/v1/chat/completions", content=b"{}")
     response = await http.send(request, stream=True)
     try:
         body = pushed_body(response)
         assert body is not None  # the transport names its body: httpx wrapped the stream
-        await body.push(on_chunk)
+        await body.push(ChunkReader(on_chunk))
     finally:
         await response.aclose()
 

@@ -1,6 +1,7 @@
 """A client's stream written from the generation's changes themselves (``relay.LiveStream``):
-no task wakes per event while the client keeps up; a send that has to wait is handed to the
-client's task and nothing is lost or reordered; one client's failed write never reaches the
+no task wakes per event while the client keeps up (the server's plain body writer writes);
+without that writer, or when it declines, the client's task ``send``s and nothing is lost
+or reordered; one client's failed write never reaches the
 generation or the other clients; heartbeats only after silence."""
 
 from __future__ import annotations
@@ -71,12 +72,19 @@ async def settle() -> None:
 
 
 async def started(generation: Generation, heartbeat_s: float = 30.0,
-                  beats: list[int] | None = None
+                  beats: list[int] | None = None, *, writer: bool = False
                   ) -> tuple[LiveStream, Any, Client, asyncio.Task[None]]:
-    """A client's stream running, its head and opening out, its task asleep."""
+    """A client's stream running, its head and opening out, its task asleep; ``writer``:
+    the server offers its plain body writer (as uvicorn's does here, ``BODY_WRITER``)."""
     response, request = live(generation, heartbeat_s, beats)
     sent = Client()
-    task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
+
+    def write_body(body: bytes) -> bool:
+        sent.messages.append({"type": "http.response.body", "body": body, "more_body": True})
+        return True
+
+    scope = {"type": "http", "extensions": {BODY_WRITER: write_body} if writer else {}}
+    task = asyncio.create_task(response(scope, sent.receive, sent.send))
     await settle()
     return response, request, sent, task
 
@@ -84,11 +92,11 @@ async def started(generation: Generation, heartbeat_s: float = 30.0,
 def test_frames_are_written_by_the_change_itself_and_the_stream_ends_whole() -> None:
     async def run() -> None:
         generation = Generation(opener_of, grace_s=0)
-        _, request, sent, task = await started(generation)
+        _, request, sent, task = await started(generation, writer=True)
         frames = frames_of(STREAM)
         before = len(sent.messages)
         generation.take_frames(frames[:3])
-        # Written before any task ran: the change itself sent them.
+        # Written before any task ran: the change itself wrote them.
         assert len(sent.messages) == before + 1
         for frame in frames[3:]:
             generation.take_frames([frame])
@@ -100,19 +108,43 @@ def test_frames_are_written_by_the_change_itself_and_the_stream_ends_whole() -> 
     asyncio.run(run())
 
 
-def test_a_send_that_waits_is_handed_to_the_task_and_nothing_is_lost_or_reordered() -> None:
+def test_without_a_plain_writer_the_task_sends_once_per_batch() -> None:
+    """A server without the plain body writer: a change wakes the client's task, which
+    sends what arrived until it ran in one ``send``."""
+    async def run() -> None:
+        generation = Generation(opener_of, grace_s=0)
+        _, request, sent, task = await started(generation)
+        frames = frames_of(STREAM)
+        before = len(sent.messages)
+        generation.take_frames(frames[:3])
+        generation.take_frames(frames[3:5])
+        assert len(sent.messages) == before  # the task has not run yet
+        await settle()
+        assert len(sent.messages) == before + 1
+        for frame in frames[5:]:
+            generation.take_frames([frame])
+        await asyncio.wait_for(task, 5)
+        assert sent.ended
+        assert sent.body == expected_body(generation, request)
+
+    asyncio.run(run())
+
+
+def test_a_send_that_waits_is_the_tasks_and_nothing_is_lost_or_reordered() -> None:
     async def run() -> None:
         generation = Generation(opener_of, grace_s=0)
         _, request, sent, task = await started(generation)
         sent.blocked = asyncio.Event()
         frames = frames_of(STREAM)
-        for frame in frames[:5]:  # the first write waits; the others must not go around it
+        generation.take_frames(frames[:3])  # a progress, then output
+        await settle()  # the task's write waits; what comes next must not go around it
+        for frame in frames[3:5]:
             generation.take_frames([frame])
         await settle()
         writes_while_blocked = len(sent.messages)
         sent.blocked.set()
         await settle()
-        # The handed write finished, then everything that arrived meanwhile in one write.
+        # The waiting write finished, then everything that arrived meanwhile in one write.
         assert len(sent.messages) == writes_while_blocked + 2
         sent.blocked = None
         for frame in frames[5:]:
