@@ -21,11 +21,17 @@
  * a chunk's start (Python's HTTP parser reads on from them), and the client bytes not
  * written. Both sockets are duplicated at adoption, so a descriptor number the loop closes
  * and reuses meanwhile is never written to; the duplicates are closed at the give-back.
+ *
+ * The parsing (chunks, events, the shape) is one sans-IO scanner, scan_body(), apart from
+ * the sockets: the relay's loop runs it on each stream's engine bytes, and the module's
+ * scan() runs it on bytes alone, so that the parser is tested without sockets
+ * (tests/unit/test_relay_scanner.py) and fuzzed under the sanitizers (tests/fuzz/).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -47,7 +53,8 @@ typedef struct {
     size_t len, cap;
 } buf_t;
 
-static int buf_append(buf_t *b, const char *d, size_t n) {
+/* Room for n more bytes: the appends after it cannot fail. */
+static int buf_reserve(buf_t *b, size_t n) {
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 1024;
         while (cap < b->len + n) cap *= 2;
@@ -56,6 +63,11 @@ static int buf_append(buf_t *b, const char *d, size_t n) {
         b->p = p;
         b->cap = cap;
     }
+    return 0;
+}
+
+static int buf_append(buf_t *b, const char *d, size_t n) {
+    if (buf_reserve(b, n) < 0) return -1;
     if (n) memcpy(b->p + b->len, d, n);
     b->len += n;
     return 0;
@@ -70,57 +82,21 @@ static void buf_consume(buf_t *b, size_t n) {
     b->len -= n;
 }
 
-struct stream;
-
-/* What an epoll registration points at: one of a stream's two sockets. */
-typedef struct {
-    struct stream *stream;
-    int client;
-} endpoint_t;
-
-typedef struct stream {
-    struct stream *prev, *next; /* the relay's adopted streams */
-    struct stream *ready;       /* this turn's */
-    int engine_fd, client_fd;   /* duplicates, owned */
-    PyObject *token;
-    char *head, *tail;
-    size_t head_len, tail_len;
-    buf_t raw;     /* engine bytes not taken yet, from a chunk's start */
-    buf_t sse;     /* bytes of whole chunks not taken as whole events yet */
-    buf_t out;     /* chunk-framed events for the client, not written yet */
-    buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
-    Py_ssize_t count;
-    double last_read, last_write;
-    endpoint_t engine_end, client_end;
-    int done;
-    int blocked; /* the client's socket is full: the engine is not read until it drains */
-    int queued;  /* on this turn's list */
-} stream_t;
-
-typedef struct {
-    PyObject_HEAD
-    int epfd;
-    stream_t *streams;
-} Relay;
-
-static double monotonic(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+/* A chunk's size line for n bytes ("%zx\r\n"): its length, at most 18. */
+static size_t size_line(char *line, size_t n) {
+    char digits[2 * sizeof n];
+    size_t k = 0;
+    do {
+        digits[k++] = "0123456789abcdef"[n & 15];
+        n >>= 4;
+    } while (n);
+    for (size_t i = 0; i < k; i++) line[i] = digits[k - 1 - i];
+    line[k] = '\r';
+    line[k + 1] = '\n';
+    return k + 2;
 }
 
-static void stream_free(stream_t *s) {
-    if (s->engine_fd >= 0) close(s->engine_fd);
-    if (s->client_fd >= 0) close(s->client_fd);
-    free(s->raw.p);
-    free(s->sse.p);
-    free(s->out.p);
-    free(s->relayed.p);
-    free(s->head);
-    free(s->tail);
-    Py_XDECREF(s->token);
-    free(s);
-}
+/* ---- The scanner: HTTP/1.1 chunks, SSE events, the token shape. No socket, no Python. ---- */
 
 static int hex_digit(char c) {
     if (c >= '0' && c <= '9') return c - '0';
@@ -133,7 +109,7 @@ static int hex_digit(char c) {
  * decoding beyond the two-character escapes: no control character, no unescaped quote,
  * no \u escape (those streams' events go through Python), well-formed UTF-8 (no
  * surrogate, no overlong form). Anything it accepts, a JSON parser reads as a string. */
-int plain_json_text_c(const unsigned char *p, size_t n) {
+static int plain_json_text_c(const unsigned char *p, size_t n) {
     if (n == 0) return 0;
     size_t i = 0;
     while (i < n) {
@@ -194,93 +170,215 @@ static int same_tail(const char *e, const char *t, size_t n) {
     return 1;
 }
 
-static int is_token_event(const stream_t *s, const char *e, size_t n) {
-    if (n < s->head_len + s->tail_len + 1) return 0;
-    if (memcmp(e, s->head, s->head_len) != 0) return 0;
-    if (!same_tail(e + n - s->tail_len, s->tail, s->tail_len)) return 0;
-    return plain_json_text_c((const unsigned char *)e + s->head_len,
-                                n - s->head_len - s->tail_len);
+/* A stream's learned token shape: an event is head, a plain JSON text, tail. */
+typedef struct {
+    const char *head, *tail;
+    size_t head_len, tail_len;
+} shape_t;
+
+static int is_token_event(const shape_t *shape, const char *e, size_t n) {
+    if (n < shape->head_len + shape->tail_len + 1) return 0;
+    if (memcmp(e, shape->head, shape->head_len) != 0) return 0;
+    if (!same_tail(e + n - shape->tail_len, shape->tail, shape->tail_len)) return 0;
+    return plain_json_text_c((const unsigned char *)e + shape->head_len,
+                             n - shape->head_len - shape->tail_len);
 }
 
-/* The whole events of s->sse that are tokens, framed into s->out; done at another. */
-static void take_events(stream_t *s) {
+/* Why a scan stopped. Every reason but SCAN_MORE gives the stream back to Python; the
+ * names (scan_stops) are what Python's scan() says. */
+typedef enum {
+    SCAN_MORE,     /* every whole chunk taken: the rest needs more bytes */
+    SCAN_EVENT,    /* an event not of the token shape (the finish, the usage, an error) */
+    SCAN_CR,       /* a carriage return in an event not whole yet (CRLF endings, say) */
+    SCAN_SIZE,     /* a size line it does not take: empty, over MAX_SIZE_LINE digits, an
+                    * extension or another non-hex byte, a CR not followed by LF */
+    SCAN_FRAMING,  /* a chunk's data not followed by CRLF */
+    SCAN_END,      /* the last chunk (size 0): the body's end, Python's parser reads it */
+    SCAN_TOO_LONG, /* a chunk, or an event not whole yet, over MAX_PENDING bytes */
+    SCAN_MEMORY,   /* out of memory, or the taker refused the event */
+    SCAN_STOPS
+} scan_stop_t;
+
+static const char *const scan_stops[SCAN_STOPS] = {
+    "more", "event", "cr", "size", "framing", "end", "too-long", "memory",
+};
+
+/* Takes one token event, in order: its bytes are valid during the call only. Nonzero:
+ * the event is not taken (it stays in the carry) and the scan stops with SCAN_MEMORY. */
+typedef int (*take_event_t)(void *ctx, const char *event, size_t n);
+
+typedef struct {
+    size_t consumed;   /* input bytes taken: whole chunks, from the input's start */
+    size_t events;     /* token events taken */
+    scan_stop_t stop;
+} scan_t;
+
+/* The whole events at the start of carry that are tokens, taken and removed; the carry
+ * then starts at an event (the one not taken, or one not whole yet). */
+static scan_stop_t scan_events(const shape_t *shape, buf_t *carry, take_event_t take,
+                               void *ctx, size_t *events) {
+    scan_stop_t stop = SCAN_MORE;
     size_t at = 0;
-    while (!s->done) {
-        char *start = s->sse.p + at;
-        char *end = memmem(start, s->sse.len - at, "\n\n", 2);
+    for (;;) {
+        const char *start = carry->p + at;
+        const char *end = memmem(start, carry->len - at, "\n\n", 2);
         if (end == NULL) break;
         size_t n = (size_t)(end - start) + 2;
-        if (!is_token_event(s, start, n)) {
-            s->done = 1;
+        if (!is_token_event(shape, start, n)) {
+            stop = SCAN_EVENT;
             break;
         }
-        char size_line[24];
-        int h = snprintf(size_line, sizeof size_line, "%zx\r\n", n);
-        if (buf_append(&s->out, size_line, (size_t)h) < 0 || buf_append(&s->out, start, n) < 0 ||
-            buf_append(&s->out, "\r\n", 2) < 0 || buf_append(&s->relayed, start, n) < 0) {
-            s->done = 1; /* out of memory: Python's path has the rest (and says so) */
+        if (take(ctx, start, n) != 0) {
+            stop = SCAN_MEMORY;
             break;
         }
-        s->count++;
+        (*events)++;
         at += n;
     }
-    /* ... which the relayed copy shares: what is left starts at an event (the one given
-     * back, or the start of one not whole yet). */
-    buf_consume(&s->sse, at);
-    if (!s->done && s->sse.len > MAX_PENDING) s->done = 1;
+    buf_consume(carry, at);
+    if (stop == SCAN_MORE && carry->len > MAX_PENDING) stop = SCAN_TOO_LONG;
     /* A token event never holds a carriage return (JSON escapes it): one in what waits is
      * an event this lane does not take (CRLF line ends, say), given back now rather than
      * when MAX_PENDING bytes have piled up behind it. */
-    if (!s->done && s->sse.len && memchr(s->sse.p, '\r', s->sse.len) != NULL) s->done = 1;
+    if (stop == SCAN_MORE && carry->len && memchr(carry->p, '\r', carry->len) != NULL)
+        stop = SCAN_CR;
+    return stop;
 }
 
-/* Whole chunks from s->raw into s->sse, their events into s->out, until done or short. */
-static void take_chunks(stream_t *s) {
-    size_t at = 0;
-    while (!s->done) {
-        const char *r = s->raw.p + at;
-        size_t left = s->raw.len - at;
+/* The sans-IO scanner. in[0:len] is a chunked body's bytes from a chunk's start; carry
+ * holds the bytes of whole chunks already scanned that are not whole events yet (empty
+ * at a body's start; the scan appends to it and takes from it). Each whole chunk's data
+ * goes to the carry, and each whole token event at the carry's start to take(), until a
+ * chunk is not whole (SCAN_MORE) or something is not the lane's (any other stop). What
+ * was not consumed starts at a chunk's start; framed as one chunk ahead of it, the carry
+ * gives back the rest of the body exactly. The same bytes cut anywhere into successive
+ * scans take the same events and consume the same total (only whole chunks are read). */
+static scan_t scan_body(const shape_t *shape, buf_t *carry, const char *in, size_t len,
+                        take_event_t take, void *ctx) {
+    scan_t res = {0, 0, SCAN_MORE};
+    while (res.stop == SCAN_MORE && res.consumed < len) {
+        const char *r = in + res.consumed;
+        size_t left = len - res.consumed;
         size_t line = 0;
         while (line < left && line <= MAX_SIZE_LINE && r[line] != '\r') line++;
         if (line > MAX_SIZE_LINE || line == 0) {
-            if (line > 0 || left > 0) s->done = 1; /* not a size it takes */
+            res.stop = SCAN_SIZE;
             break;
         }
         if (line + 1 >= left) break; /* the size line is not whole yet */
         if (r[line + 1] != '\n') {
-            s->done = 1;
+            res.stop = SCAN_SIZE;
             break;
         }
-        size_t size = 0;
+        uint64_t size = 0;
         for (size_t i = 0; i < line; i++) {
             int v = hex_digit(r[i]);
             if (v < 0) {
-                s->done = 1; /* an extension, or not a size: the parser's to judge */
+                res.stop = SCAN_SIZE; /* an extension, or not a size: the parser's to judge */
                 break;
             }
-            size = size * 16 + (size_t)v;
+            size = size * 16 + (uint64_t)v;
         }
-        if (s->done) break;
+        if (res.stop != SCAN_MORE) break;
         if (size == 0) {
-            s->done = 1; /* the body's end: Python's parser reads it */
+            res.stop = SCAN_END;
             break;
         }
-        if (size > MAX_PENDING || left - line - 2 < size + 2) {
-            if (size > MAX_PENDING) s->done = 1;
+        if (size > MAX_PENDING) {
+            res.stop = SCAN_TOO_LONG;
             break;
         }
+        if (left - line - 2 < size + 2) break; /* the chunk is not whole yet */
         if (r[line + 2 + size] != '\r' || r[line + 3 + size] != '\n') {
-            s->done = 1;
+            res.stop = SCAN_FRAMING;
             break;
         }
-        if (buf_append(&s->sse, r + line + 2, size) < 0) {
-            s->done = 1;
+        if (buf_append(carry, r + line + 2, (size_t)size) < 0) {
+            res.stop = SCAN_MEMORY;
             break;
         }
-        at += line + 2 + size + 2;
-        take_events(s);
+        res.consumed += line + 2 + (size_t)size + 2;
+        res.stop = scan_events(shape, carry, take, ctx, &res.events);
     }
-    buf_consume(&s->raw, at);
+    return res;
+}
+
+/* ---- The relay: the scanner between an engine's socket and a client's. ---- */
+
+struct stream;
+
+/* What an epoll registration points at: one of a stream's two sockets. */
+typedef struct {
+    struct stream *stream;
+    int client;
+} endpoint_t;
+
+typedef struct stream {
+    struct stream *prev, *next; /* the relay's adopted streams */
+    struct stream *ready;       /* this turn's */
+    int engine_fd, client_fd;   /* duplicates, owned */
+    PyObject *hold;
+    char *head, *tail;
+    size_t head_len, tail_len;
+    buf_t raw;     /* engine bytes not taken yet, from a chunk's start */
+    buf_t sse;     /* the scanner's carry: bytes of whole chunks not taken as events yet */
+    buf_t out;     /* chunk-framed events for the client, not written yet */
+    buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
+    Py_ssize_t count;
+    double last_read, last_write;
+    endpoint_t engine_end, client_end;
+    int done;
+    int blocked; /* the client's socket is full: the engine is not read until it drains */
+    int queued;  /* on this turn's list */
+} stream_t;
+
+typedef struct {
+    PyObject_HEAD
+    int epfd;
+    stream_t *streams;
+} Relay;
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void stream_free(stream_t *s) {
+    if (s->engine_fd >= 0) close(s->engine_fd);
+    if (s->client_fd >= 0) close(s->client_fd);
+    free(s->raw.p);
+    free(s->sse.p);
+    free(s->out.p);
+    free(s->relayed.p);
+    free(s->head);
+    free(s->tail);
+    Py_XDECREF(s->hold);
+    free(s);
+}
+
+/* The scanner's taker for a stream: the event framed for the client and kept for the
+ * generation's log, both or neither (the room is made first). */
+static int frame_event(void *ctx, const char *event, size_t n) {
+    stream_t *s = ctx;
+    char line[24];
+    size_t h = size_line(line, n);
+    if (buf_reserve(&s->out, h + n + 2) < 0 || buf_reserve(&s->relayed, n) < 0) return -1;
+    buf_append(&s->out, line, h);
+    buf_append(&s->out, event, n);
+    buf_append(&s->out, "\r\n", 2);
+    buf_append(&s->relayed, event, n);
+    return 0;
+}
+
+/* Whole chunks from s->raw into the scanner, its events into s->out, until done or short. */
+static void take_chunks(stream_t *s) {
+    if (s->done) return;
+    shape_t shape = {s->head, s->tail, s->head_len, s->tail_len};
+    scan_t res = scan_body(&shape, &s->sse, s->raw.p, s->raw.len, frame_event, s);
+    s->count += (Py_ssize_t)res.events;
+    buf_consume(&s->raw, res.consumed);
+    if (res.stop != SCAN_MORE) s->done = 1;
 }
 
 /* Reads until a short read (one recv per event, mostly), or MAX_READ_PER_TURN; the
@@ -372,19 +470,19 @@ static void unlink_stream(Relay *relay, stream_t *s) {
     s->prev = s->next = NULL;
 }
 
-/* (token, relayed, count, engine_bytes, unsent, last_read, last_write), or NULL with an
+/* (hold, relayed, count, engine_bytes, unsent, last_read, last_write), or NULL with an
  * exception; the stream stays adopted either way (``release`` frees it once the tuple is
  * in Python's hands: a stream is never freed without being handed back). */
 static PyObject *handing(stream_t *s) {
     PyObject *engine;
     if (s->sse.len) {
-        char size_line[24];
-        int h = snprintf(size_line, sizeof size_line, "%zx\r\n", s->sse.len);
-        size_t total = (size_t)h + s->sse.len + 2 + s->raw.len;
+        char line[24];
+        size_t h = size_line(line, s->sse.len);
+        size_t total = h + s->sse.len + 2 + s->raw.len;
         engine = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
         if (engine) {
             char *g = PyBytes_AS_STRING(engine);
-            memcpy(g, size_line, (size_t)h);
+            memcpy(g, line, h);
             memcpy(g + h, s->sse.p, s->sse.len);
             memcpy(g + h + s->sse.len, "\r\n", 2);
             if (s->raw.len) memcpy(g + h + s->sse.len + 2, s->raw.p, s->raw.len);
@@ -394,7 +492,7 @@ static PyObject *handing(stream_t *s) {
     }
     PyObject *item = NULL;
     if (engine) {
-        item = Py_BuildValue("(Oy#nNy#dd)", s->token, s->relayed.p ? s->relayed.p : "",
+        item = Py_BuildValue("(Oy#nNy#dd)", s->hold, s->relayed.p ? s->relayed.p : "",
                              (Py_ssize_t)s->relayed.len, s->count, engine,
                              s->out.p ? s->out.p : "", (Py_ssize_t)s->out.len, s->last_read,
                              s->last_write);
@@ -437,7 +535,7 @@ static void Relay_dealloc(Relay *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *Relay_fileno(Relay *self, PyObject *unused) {
+static PyObject *Relay_fileno(Relay *self, PyObject *Py_UNUSED(unused)) {
     if (self->epfd < 0) {
         PyErr_SetString(PyExc_ValueError, "the compiled relay is closed");
         return NULL;
@@ -449,9 +547,9 @@ static PyObject *Relay_adopt(Relay *self, PyObject *args) {
     int engine_fd, client_fd;
     const char *head, *tail;
     Py_ssize_t head_len, tail_len;
-    PyObject *token;
+    PyObject *hold;
     if (!PyArg_ParseTuple(args, "iiy#y#O:adopt", &engine_fd, &client_fd, &head, &head_len,
-                          &tail, &tail_len, &token))
+                          &tail, &tail_len, &hold))
         return NULL;
     if (self->epfd < 0) {
         PyErr_SetString(PyExc_ValueError, "the compiled relay is closed");
@@ -486,15 +584,15 @@ static PyObject *Relay_adopt(Relay *self, PyObject *args) {
         stream_free(s);
         return NULL;
     }
-    Py_INCREF(token);
-    s->token = token;
+    Py_INCREF(hold);
+    s->hold = hold;
     s->next = self->streams;
     if (self->streams) self->streams->prev = s;
     self->streams = s;
     Py_RETURN_NONE;
 }
 
-static PyObject *Relay_run(Relay *self, PyObject *unused) {
+static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
     PyObject *back = PyList_New(0);
     if (back == NULL || self->epfd < 0) return back;
     struct epoll_event events[MAX_EVENTS];
@@ -536,9 +634,9 @@ static PyObject *Relay_run(Relay *self, PyObject *unused) {
     return back;
 }
 
-static PyObject *Relay_reclaim(Relay *self, PyObject *token) {
+static PyObject *Relay_reclaim(Relay *self, PyObject *hold) {
     for (stream_t *s = self->streams; s != NULL; s = s->next) {
-        if (s->token == token) {
+        if (s->hold == hold) {
             PyObject *item = handing(s);
             if (item != NULL) release(self, s);
             return item;
@@ -547,9 +645,9 @@ static PyObject *Relay_reclaim(Relay *self, PyObject *token) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Relay_drop(Relay *self, PyObject *token) {
+static PyObject *Relay_drop(Relay *self, PyObject *hold) {
     for (stream_t *s = self->streams; s != NULL; s = s->next) {
-        if (s->token == token) {
+        if (s->hold == hold) {
             unlink_stream(self, s);
             stream_free(s);
             Py_RETURN_TRUE;
@@ -558,20 +656,20 @@ static PyObject *Relay_drop(Relay *self, PyObject *token) {
     Py_RETURN_FALSE;
 }
 
-static PyObject *Relay_close(Relay *self, PyObject *unused) {
+static PyObject *Relay_close(Relay *self, PyObject *Py_UNUSED(unused)) {
     drop_all(self);
     if (self->epfd >= 0) close(self->epfd);
     self->epfd = -1;
     Py_RETURN_NONE;
 }
 
-static PyObject *Relay_len(Relay *self, PyObject *unused) {
+static PyObject *Relay_len(Relay *self, PyObject *Py_UNUSED(unused)) {
     Py_ssize_t n = 0;
     for (stream_t *s = self->streams; s != NULL; s = s->next) n++;
     return PyLong_FromSsize_t(n);
 }
 
-static PyObject *plain_text_py(PyObject *module, PyObject *arg) {
+static PyObject *plain_text_py(PyObject *Py_UNUSED(module), PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     int ok = plain_json_text_c(view.buf, (size_t)view.len);
@@ -579,17 +677,62 @@ static PyObject *plain_text_py(PyObject *module, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
+/* scan()'s taker: each event taken, a bytes object on the list. */
+static int list_event(void *ctx, const char *event, size_t n) {
+    PyObject *item = PyBytes_FromStringAndSize(event, (Py_ssize_t)n);
+    if (item == NULL) return -1;
+    int failed = PyList_Append((PyObject *)ctx, item);
+    Py_DECREF(item);
+    return failed;
+}
+
+static PyObject *scan_py(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer data, head, tail, carried = {.buf = NULL, .obj = NULL, .len = 0};
+    if (!PyArg_ParseTuple(args, "y*y*y*|y*:scan", &data, &head, &tail, &carried)) return NULL;
+    PyObject *result = NULL, *events = NULL;
+    buf_t carry = {NULL, 0, 0};
+    if (head.len == 0 || tail.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "a token shape needs a head and a tail");
+        goto out;
+    }
+    events = PyList_New(0);
+    if (events == NULL) goto out;
+    if (buf_append(&carry, carried.buf, (size_t)carried.len) < 0) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    {
+        shape_t shape = {head.buf, tail.buf, (size_t)head.len, (size_t)tail.len};
+        scan_t res = scan_body(&shape, &carry, data.buf, (size_t)data.len, list_event, events);
+        if (res.stop == SCAN_MEMORY) {
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            goto out;
+        }
+        result = Py_BuildValue("(nOy#s)", (Py_ssize_t)res.consumed, events,
+                               carry.p ? carry.p : "", (Py_ssize_t)carry.len,
+                               scan_stops[res.stop]);
+    }
+out:
+    free(carry.p);
+    Py_XDECREF(events);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&tail);
+    PyBuffer_Release(&carried);
+    return result;
+}
+
 static PyMethodDef Relay_methods[] = {
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS,
      "The epoll descriptor the event loop watches."},
     {"adopt", (PyCFunction)Relay_adopt, METH_VARARGS,
-     "adopt(engine_fd, client_fd, head, tail, token): relay the stream's token events."},
+     "adopt(engine_fd, client_fd, head, tail, hold): relay the stream's token events."},
     {"run", (PyCFunction)Relay_run, METH_NOARGS,
      "One turn: relay what is ready; the streams given back."},
     {"reclaim", (PyCFunction)Relay_reclaim, METH_O,
-     "reclaim(token): give the stream back now (None if the compiled relay does not hold it)."},
+     "reclaim(hold): give the stream back now (None if the compiled relay does not hold it)."},
     {"drop", (PyCFunction)Relay_drop, METH_O,
-     "drop(token): forget the stream, giving nothing back (its connection is closing)."},
+     "drop(hold): forget the stream, giving nothing back (its connection is closing)."},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, "Forget every stream; close the set."},
     {"held", (PyCFunction)Relay_len, METH_NOARGS, "How many streams the compiled relay holds."},
     {NULL, NULL, 0, NULL},
@@ -597,7 +740,7 @@ static PyMethodDef Relay_methods[] = {
 
 static PyTypeObject RelayType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "core._relay.Relay",
+    .tp_name = "prefixpin.core._relay.Relay",
     .tp_basicsize = sizeof(Relay),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Token events relayed between sockets in C (core/compiled_relay.py).",
@@ -609,11 +752,21 @@ static PyTypeObject RelayType = {
 static PyMethodDef module_methods[] = {
     {"plain_json_text", (PyCFunction)plain_text_py, METH_O,
      "Whether the bytes are a JSON string's body the relay takes as a token's text."},
+    {"scan", (PyCFunction)scan_py, METH_VARARGS,
+     "scan($module, data, head, tail, carry=b'', /)\n--\n\n"
+     "-> (consumed, events, carry, stop): the relay's own scanner on bytes alone.\n\n"
+     "data: a chunked body from a chunk's start; head, tail: the token shape; carry: what\n"
+     "the previous scan returned (b'' at a body's start). consumed: the bytes of data taken\n"
+     "(whole chunks); events: the token events taken, in order; carry: bytes of whole\n"
+     "chunks not taken as events yet (for the next scan, with data[consumed:] and more);\n"
+     "stop: why it stopped, one of STOPS ('more': it needs more bytes; any other gives the\n"
+     "stream back). Out of memory raises MemoryError."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef relay_module = {PyModuleDef_HEAD_INIT, "core._relay", NULL, -1,
-                                         module_methods};
+static struct PyModuleDef relay_module = {
+    PyModuleDef_HEAD_INIT, .m_name = "prefixpin.core._relay", .m_size = -1, .m_methods = module_methods,
+};
 
 PyMODINIT_FUNC PyInit__relay(void) {
     if (PyType_Ready(&RelayType) < 0) return NULL;
@@ -622,6 +775,22 @@ PyMODINIT_FUNC PyInit__relay(void) {
     Py_INCREF(&RelayType);
     if (PyModule_AddObject(m, "Relay", (PyObject *)&RelayType) < 0) {
         Py_DECREF(&RelayType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *stops = PyTuple_New(SCAN_STOPS);
+    for (Py_ssize_t i = 0; stops != NULL && i < SCAN_STOPS; i++) {
+        PyObject *name = PyUnicode_FromString(scan_stops[i]);
+        if (name == NULL) Py_CLEAR(stops);
+        else PyTuple_SET_ITEM(stops, i, name);
+    }
+    if (stops == NULL || PyModule_AddObject(m, "STOPS", stops) < 0) {
+        Py_XDECREF(stops);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_PENDING", MAX_PENDING) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SIZE_LINE", MAX_SIZE_LINE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,15 +1,36 @@
-from typing import Any
+from typing import Any, Literal, TypeAlias
+
+# Why a scan stopped: "more" needs more bytes; every other gives the stream back (see
+# scan_stop_t in _relay.c). scan() raises MemoryError rather than say "memory".
+ScanStop: TypeAlias = Literal["more", "event", "cr", "size", "framing", "end", "too-long",
+                              "memory"]
+
+STOPS: tuple[ScanStop, ...]
+MAX_PENDING: int  # bytes of a chunk, or of an event not whole yet, before "too-long"
+MAX_SIZE_LINE: int  # hex digits of a chunk's size line
 
 class Relay:
     def __init__(self) -> None: ...
     def fileno(self) -> int: ...
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
-              token: Any, /) -> None: ...
+              hold: Any, /) -> None: ...
     def run(self) -> list[tuple[Any, bytes, int, bytes, bytes, float, float]]: ...
-    def reclaim(self, token: Any, /) -> tuple[Any, bytes, int, bytes, bytes, float,
+    def reclaim(self, hold: Any, /) -> tuple[Any, bytes, int, bytes, bytes, float,
                                               float] | None: ...
-    def drop(self, token: Any, /) -> bool: ...
+    def drop(self, hold: Any, /) -> bool: ...
     def close(self) -> None: ...
     def held(self) -> int: ...
 
 def plain_json_text(data: bytes, /) -> bool: ...
+
+def scan(data: bytes, head: bytes, tail: bytes, carry: bytes = b"",
+         /) -> tuple[int, list[bytes], bytes, ScanStop]:
+    """The relay's own scanner (the one its socket loop runs) on bytes alone.
+
+    ``data``: a chunked body from a chunk's start; ``head``, ``tail``: the token shape;
+    ``carry``: the carry the previous scan returned (``b""`` at a body's start). Returns
+    ``(consumed, events, carry, stop)``: the bytes of ``data`` taken (whole chunks only),
+    the token events taken in order, the bytes of whole chunks not taken as events yet
+    (pass them to the next scan, with ``data[consumed:]`` and what came next), and why it
+    stopped. Framed as one chunk, the carry followed by ``data[consumed:]`` is the body's
+    rest exactly (what the relay gives back)."""

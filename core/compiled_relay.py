@@ -1,15 +1,14 @@
 """The compiled relay: a stream's token events moved between its two sockets in C.
 
 Per event, the Python relay runs the loop's read callback, the HTTP parser's, the SSE
-decoder, the frame, the generation's log and the client's write; with all of the Python of
-that bypassed the proxy still cost 2.8x the load bench's fake per event: the loop's own
-callbacks and its socket calls were the rest (``bench/results/load/versus/CEILING.md``).
-Once a stream's token events have a learned shape (``adapters.openai_sse.SameShapeTokens``)
-and one client reads it, the compiled relay (``core/_relay.c``) takes both sockets: the
-loop watches one epoll descriptor for every adopted engine socket, and each turn one call
-reads them all, writes each client's token events once, chunk-framed, and returns the
-streams it gives back (0.77x the CPU per event of the Python relay at 256 streams:
-``bench/results/load/versus/ALTERNATE-compiled.md``).
+decoder, the frame, the generation's log and the client's write; the loop's own callbacks
+and socket calls per event stay even with all of our Python bypassed. Once a stream's
+token events have a learned shape (``adapters.openai_sse.SameShapeTokens``) and one client
+reads it, the compiled relay (``core/_relay.c``) takes both sockets: the loop watches one
+epoll descriptor for every adopted engine socket, and each turn one call reads them all,
+writes each client's token events once, chunk-framed, and returns the streams it gives
+back. It is an accelerator behind the Python relay, which stays the reference path (what
+it saves, measured side by side: docs/benchmarks.md).
 
 It gives a stream back at the first event that is not a token of its shape (the finish,
 the usage, an error), at the body's end, an engine end of file or error, and a failed

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {k: v for k, v in vars(args).items() if k not in ("command", "upstreams_file")}
     urls: list[str] = list(given.pop("upstream", None) or [])
-    if (path := getattr(args, "upstreams_file", None)) is not None:
+    if (path := vars(args).get("upstreams_file")) is not None:
         entries = read_upstreams_file(path)
         urls += [entry.url for entry in entries]
         dedicated = {entry.url: list(entry.namespaces) for entry in entries if entry.namespaces}

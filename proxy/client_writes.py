@@ -6,9 +6,8 @@ A relayed event is written to its client from the engine connection's read
 (``proxy.relay.LiveStream``); left alone, each of those writes is a ``write`` syscall at
 once. On one machine that also wakes the client's process once per event: the relay's
 writes are spread over the turn (an event's Python runs between two of them), so a client
-that reads quickly has gone back to sleep before the next one. Measured at 256 streams
-(``bench/results/load/PROFILE.md``): the load client switched context 0.55 times per event
-through prefixpin against 0.11 directly, and waking it was most of the proxy's kernel time.
+that reads quickly has gone back to sleep before the next one, and waking it again costs
+the proxy's kernel time (``bench/results/load/PROFILE.md``).
 
 Here a client connection's transport keeps what is written during a turn and the loop
 sends every connection's bytes in one pass at the end of it (``call_soon``: after the

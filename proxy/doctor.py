@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -56,6 +55,7 @@ from prefixpin.proxy.engine_facts import (
     ServerFlags,
     read_engine_facts,
 )
+from prefixpin.proxy.settings import environment
 from prefixpin.proxy.tokens import common_prefix
 
 Status = Literal["problem", "warning", "ok", "unknown"]
@@ -1016,12 +1016,12 @@ def run(upstream: str, *, probe: bool = True, local: bool = True,
 # ---------------------------------------------------------------- command line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--upstream", default=os.environ.get("PREFIXPIN_UPSTREAM")
+    parser.add_argument("--upstream", default=environment("PREFIXPIN_UPSTREAM")
                         or DEFAULT_UPSTREAM, help=f"llama-server base URL (default "
                         f"$PREFIXPIN_UPSTREAM or {DEFAULT_UPSTREAM})")
-    parser.add_argument("--engine-api-key", default=os.environ.get("PREFIXPIN_ENGINE_API_KEY")
-                        or None, help="the server's --api-key, sent as Authorization: "
-                        "Bearer (default $PREFIXPIN_ENGINE_API_KEY)")
+    parser.add_argument("--engine-api-key", default=environment("PREFIXPIN_ENGINE_API_KEY"),
+                        help="the server's --api-key, sent as Authorization: Bearer "
+                        "(default $PREFIXPIN_ENGINE_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="send no completions (flags that need them stay unknown)")

@@ -71,8 +71,15 @@ def compiled_relay_of(http: object) -> relay_core.CompiledRelay | None:
     streams to, with its counts (``adopted``, ``relayed``, ``held``): None where they run
     without it (off, not built, h11) or before its first request; read on its loop, or
     after the servers stopped."""
-    relay = getattr(http, "_compiled_relay", None)
+    relay = http.compiled_relay if isinstance(http, type) and issubclass(
+        http, RelayingProtocol) else None
     return relay if isinstance(relay, relay_core.CompiledRelay) else None
+
+
+class RelayingProtocol:
+    """What the tenant listener's protocol class offers of its server's compiled relay."""
+
+    compiled_relay: relay_core.CompiledRelay | None = None  # this server's, on its loop
 
 
 def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
@@ -86,14 +93,13 @@ def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
 def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    class BoundedHttpToolsProtocol(HttpToolsProtocol, RelayingProtocol):
         """Counts the bytes of each request head (request line and headers) as they
         arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed. Its
         writes go out once per turn of the loop, and each request's scope carries a
         writer of its streamed body's chunks (``proxy.client_writes``)."""
 
         _write_batch: WriteBatch | None = None  # this server's, on its loop
-        _compiled_relay: relay_core.CompiledRelay | None = None  # likewise, if on
         _in_head = True
         _head_bytes = 0
         _tail = b""  # the last bytes of a head so far: its end may straddle two reads
@@ -182,9 +188,9 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
 
         def _relay(self) -> relay_core.CompiledRelay:
             cls = type(self)
-            current = cls._compiled_relay
+            current = cls.compiled_relay
             if current is None or current.loop is not self.loop:
-                current = cls._compiled_relay = relay_core.CompiledRelay(self.loop)
+                current = cls.compiled_relay = relay_core.CompiledRelay(self.loop)
             return current
 
         def on_message_complete(self) -> None:

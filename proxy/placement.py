@@ -310,6 +310,13 @@ class SlotPool:
                 return own.busy
         return self._n_busy == len(self.entries)
 
+    def shared_table(self) -> tuple[Callable[[], Awaitable[None]],
+                                    tuple[type[BaseException], ...]] | None:
+        """How to read this pool's table again from where replicas share it, and the errors
+        that read may raise (``proxy.cluster.slots.SharedSlotPool``); None: the table is
+        this process's own."""
+        return None
+
     def known(self, slot: int) -> bool:
         return slot in self._known
 

@@ -73,9 +73,8 @@ def serve(settings: Settings) -> int:
     # traceback on the user's terminal.
     # The collector's youngest generation every 20,000 allocations, not 700: a stream in
     # flight holds a frame per event, and at hundreds of streams the frequent collections
-    # (and the older generations they promote into) were the relay's p99 pauses
-    # (bench/results/load/PROFILE.md: added p99 first event at 256 streams 40-71 -> 14-22 ms,
-    # ~4% less CPU per event, +7 MiB RSS).
+    # (and the older generations they promote into) are the relay's p99 pauses
+    # (bench/results/load/PROFILE.md).
     gc.set_threshold(*GC_THRESHOLDS)
     # The fingerprint tokenizes one text at a time: Hugging Face tokenizers' batch call
     # hands even one text to its thread pool, and the hand-off and the wake-ups cost more

@@ -7,6 +7,7 @@ it to ``create_app``; tests build one directly.
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -252,3 +253,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name: it may resolve anywhere
+
+
+def environment(name: str) -> str | None:
+    """A variable read outside ``Settings`` (the doctor's defaults, the cache folder the
+    default model and the test rig share), empty as unset: this module is the only one
+    that reads the environment."""
+    return os.environ.get(name) or None
+
+
+def cache_root() -> Path:
+    """Where downloaded models and built parts are kept: ``$PREFIXPIN_CACHE``, else
+    ``~/.cache/prefixpin``."""
+    configured = environment("PREFIXPIN_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "prefixpin"

@@ -327,3 +327,55 @@ def test_cycles_are_found_and_reported_as_paths() -> None:
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}, "e": {"d": 5}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+# ---------------------------------------------------------------- the environment, getattr
+
+def environment_reads(source: str) -> list[int]:
+    """Lines reading the process environment: ``os.environ[...]``, ``os.environ.get``,
+    ``os.getenv`` (``setdefault`` for a library's own variable is a write, not counted)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr == "getenv" and isinstance(node.func.value, ast.Name)
+                 and node.func.value.id == "os")
+                or (node.func.attr == "get" and _is_environ(node.func.value))):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(
+                node.ctx, ast.Load):
+            found.append(node.lineno)
+    return found
+
+
+def _is_environ(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" or (
+        isinstance(node, ast.Name) and node.id == "environ")
+
+
+def test_only_the_settings_read_the_environment() -> None:
+    """Every setting has one source, ``proxy/settings.py`` (``Settings`` and its
+    ``environment``): no other module of the product reads a variable behind its back."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for name, path in project_modules().items() if name != "proxy.settings"
+                 for line in environment_reads(path.read_text())]
+    assert not offenders, offenders
+    assert environment_reads("import os\nos.environ.get('A')\nos.getenv('B')\n"
+                             "x = os.environ['C']\nos.environ['D'] = '1'\n"
+                             "os.environ.setdefault('E', '1')\n") == [2, 3, 4]
+
+
+def private_getattrs(source: str) -> list[int]:
+    """Lines that reach a private attribute by name: ``getattr(x, "_name", ...)``."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr" and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")]
+
+
+def test_nothing_reaches_a_private_attribute_through_getattr() -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for path in project_modules().values()
+                 for line in private_getattrs(path.read_text())]
+    assert not offenders, offenders
+    assert private_getattrs("getattr(a, '_x', None)\ngetattr(a, 'x')\n") == [1]

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from prefixpin.proxy.models import cache_root  # noqa: E402
+from prefixpin.proxy.settings import cache_root  # noqa: E402
 from tests.rig.llama_build import LLAMA_CPP_PYTHON_VERSION, ensure_llama_server  # noqa: E402
 from tests.rig.models import fetch_model  # noqa: E402
 

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -120,6 +120,10 @@ class SharedSlotPool(SlotPool):
             log_event(self.log, logging.INFO, "slot table reset", upstream=self.backend,
                       reason="engine (re)started", slots=info.n_slots)
         return cleared
+
+    def shared_table(self) -> tuple[Callable[[], Awaitable[None]],
+                                    tuple[type[BaseException], ...]]:
+        return self.refresh, self.cluster.errors
 
     async def refresh(self) -> None:
         """Read the slot table, the locks and the queue into this replica's copy."""

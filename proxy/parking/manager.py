@@ -758,7 +758,8 @@ class ParkManager:
 @dataclass(frozen=True, slots=True)
 class _SharedTable:
     """The slot table of a ``proxy.cluster.slots.SharedSlotPool`` (Redis), read again into
-    the pool's copy (found by duck typing: this package never imports the redis client)."""
+    the pool's copy (``SlotPool.shared_table``: this package never imports the redis
+    client)."""
 
     pool: SlotPool
     refresh: Callable[[], Awaitable[None]]
@@ -784,11 +785,11 @@ class _SharedTable:
 
 
 def _shared_table(pool: SlotPool) -> _SharedTable | None:
-    refresh = getattr(pool, "refresh", None)
-    errors = getattr(getattr(pool, "cluster", None), "errors", None)
-    if refresh is None or errors is None:
+    shared = pool.shared_table()
+    if shared is None:
         return None
-    return _SharedTable(pool, refresh, tuple(errors))
+    refresh, errors = shared
+    return _SharedTable(pool, refresh, errors)
 
 
 def _bounded_set(table: dict[str, Any], key: str, value: Any) -> None:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.http_limits import compiled_relay_of, http_options
 from prefixpin.proxy.relay import LiveStream
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
@@ -52,12 +52,12 @@ class Served:
     @property
     def relayed(self) -> int:
         """Token events the compiled relay wrote and gave back so far."""
-        relay = self._protocol._compiled_relay
+        relay = compiled_relay_of(self._protocol)
         return 0 if relay is None else int(relay.relayed)
 
     @property
     def held(self) -> int:
-        relay = self._protocol._compiled_relay
+        relay = compiled_relay_of(self._protocol)
         return 0 if relay is None else relay.held
 
 

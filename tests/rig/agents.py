@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixpin.proxy.models import cache_root
+from prefixpin.proxy.settings import cache_root
 from tests.rig.parts import PREPARE, missing_part, on_ci
 
 

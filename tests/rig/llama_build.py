@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from prefixpin.core.cpu import NO_AMX_CFLAGS, flags_digest
-from prefixpin.proxy.models import cache_root
+from prefixpin.proxy.settings import cache_root
 from tests.rig.parts import prepared
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

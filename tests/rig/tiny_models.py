@@ -40,7 +40,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from prefixpin.proxy.models import cache_root
+from prefixpin.proxy.settings import cache_root
 from tests.rig.llama_build import LLAMA_CPP_PYTHON_VERSION, unpacked_tree
 from tests.rig.models import ensure_model
 from tests.rig.parts import prepared

@@ -48,10 +48,10 @@ class Pair:
         for sock in (self.engine, self.client, self.client_peer):
             sock.setblocking(False)
         self.relay = Relay()
-        self.token = object()
+        self.hold = object()
 
     def adopt(self) -> None:
-        self.relay.adopt(self.engine.fileno(), self.client.fileno(), HEAD, TAIL, self.token)
+        self.relay.adopt(self.engine.fileno(), self.client.fileno(), HEAD, TAIL, self.hold)
 
     def send(self, data: bytes) -> None:
         self.engine_peer.sendall(data)
@@ -92,8 +92,8 @@ def test_token_events_relayed_chunk_framed_until_the_finish_which_comes_back(pai
     rest = chunk(FINISH) + chunk(DONE) + b"0\r\n\r\n"
     pair.send(chunk(token("!")) + rest)
     (back,) = pair.run()
-    leg, relayed, count, engine, unsent, last_read, last_write = back
-    assert leg is pair.token
+    hold, relayed, count, engine, unsent, last_read, last_write = back
+    assert hold is pair.hold
     assert (relayed, count) == (b"".join(tokens) + token("!"), 5)
     assert engine == rest  # whole chunks not taken come back as they were
     assert unsent == b""
@@ -194,7 +194,7 @@ def test_reclaiming_a_stream_held_back_by_its_client_gives_back_what_it_kept(
     wire = b"".join(chunk(e) for e in events)
     pair.send(wire)
     assert pair.run() == []
-    back = pair.relay.reclaim(pair.token)
+    back = pair.relay.reclaim(pair.hold)
     assert back is not None
     (_, relayed, count, engine, unsent, _, _) = back
     written = pair.received()
@@ -219,15 +219,15 @@ def test_reclaim_gives_back_now_and_drop_forgets(pair: Pair) -> None:
     pair.adopt()
     pair.send(chunk(token("x")) + b"3\r\nab")
     assert pair.run() == []
-    back = pair.relay.reclaim(pair.token)
+    back = pair.relay.reclaim(pair.hold)
     assert back is not None
-    (leg, relayed, count, engine, unsent, _, _) = back
-    assert (leg, relayed, count, engine, unsent) == (pair.token, token("x"), 1, b"3\r\nab", b"")
-    assert pair.relay.reclaim(pair.token) is None
+    (hold, relayed, count, engine, unsent, _, _) = back
+    assert (hold, relayed, count, engine, unsent) == (pair.hold, token("x"), 1, b"3\r\nab", b"")
+    assert pair.relay.reclaim(pair.hold) is None
     pair.adopt()
-    assert pair.relay.drop(pair.token) is True
+    assert pair.relay.drop(pair.hold) is True
     assert pair.relay.held() == 0
-    assert pair.relay.drop(pair.token) is False
+    assert pair.relay.drop(pair.hold) is False
 
 
 def test_the_lane_writes_to_its_own_duplicate_never_to_a_reused_descriptor(pair: Pair) -> None:
@@ -292,7 +292,7 @@ def test_relayed_and_given_back_are_exactly_what_the_engine_sent(
             if backs or at >= len(wire):
                 break
         if not backs:
-            reclaimed = made.relay.reclaim(made.token)
+            reclaimed = made.relay.reclaim(made.hold)
             assert reclaimed is not None
             backs = [reclaimed]
         ((_, relayed, count, engine, unsent, _, _),) = backs
