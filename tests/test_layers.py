@@ -334,21 +334,22 @@ def test_cycles_are_found_and_reported_as_paths() -> None:
 def environment_reads(source: str) -> list[int]:
     """Lines reading the process environment: ``os.environ[...]``, ``os.environ.get``,
     ``os.getenv`` (``setdefault`` for a library's own variable is a write, not counted)."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-                (node.func.attr == "getenv" and isinstance(node.func.value, ast.Name)
-                 and node.func.value.id == "os")
-                or (node.func.attr == "get" and _is_environ(node.func.value))):
-            found.append(node.lineno)
-        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(
-                node.ctx, ast.Load):
-            found.append(node.lineno)
-    return found
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if _reads_environment(node)]
+
+
+def _reads_environment(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript):
+        return _is_environ(node.value) and isinstance(node.ctx, ast.Load)
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    if node.func.attr == "getenv":
+        return isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
+    return node.func.attr == "get" and _is_environ(node.func.value)
 
 
 def _is_environ(node: ast.expr) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "environ" or (
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
         isinstance(node, ast.Name) and node.id == "environ")
 
 
