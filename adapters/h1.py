@@ -36,6 +36,12 @@ except ImportError:  # pragma: no cover - a platform without the wheel
 
 PUSHED_BODY = "prefixpin.pushed_body"  # the response extension holding a ``_Body``
 HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
+# A pushed body's bytes read from one connection in one turn of the loop, past which its
+# reading waits for the next turn: an engine that writes faster than the proxy relays must
+# not keep the loop (every other stream) in its reads. Counted only for large reads (a
+# streamed token is a few hundred bytes): the common read pays nothing for it.
+READ_PER_TURN = 256 * 1024
+LARGE_READ = 16 * 1024
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 # The engine's response head, bounded: its bytes (an endless header line or header count
@@ -175,6 +181,8 @@ class _Connection(asyncio.Protocol):
         self._in_request = False
         self._lost = False
         self._reading_paused = False
+        self._turn_read = 0  # large reads' bytes this turn (``READ_PER_TURN``)
+        self._turn_paused = False
         self._request: httpx.Request | None = None
         self.write_paused = False
         self.idle_since = 0.0
@@ -344,6 +352,8 @@ class _Connection(asyncio.Protocol):
             # the sink raised (its error is the reader's: the sink is gone then).
             if self._timeout_s is not None:  # the silence the timeout measures restarts
                 self._deadline = self._loop.time() + self._timeout_s
+            if len(data) >= LARGE_READ:
+                self._count_turn(len(data))
             if (after_read := self.after_read) is not None:
                 after_read(self)
             return
@@ -352,6 +362,26 @@ class _Connection(asyncio.Protocol):
             self._transport.pause_reading()
             self._reading_paused = True
         self._wake()
+
+    def _count_turn(self, size: int) -> None:
+        if not self._turn_read:
+            self._loop.call_soon(self._next_turn)
+        self._turn_read += size
+        if self._turn_read >= READ_PER_TURN and not self._turn_paused and not self._lost:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._turn_paused = True
+
+    def _next_turn(self) -> None:
+        self._turn_read = 0
+        if not self._turn_paused:
+            return
+        self._turn_paused = False
+        # Not while the compiled relay reads the socket, or the reader is behind: each
+        # resumes it when it is done.
+        if (not self._lost and self._transport is not None and self.relayed_by is None
+                and not self._reading_paused):
+            self._transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows

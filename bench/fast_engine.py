@@ -18,7 +18,12 @@ chunked transfer encoding on a keep-alive connection: at once a ``prompt_progres
 then every ``--token-delay-ms`` one token (the first one in the same write as the role
 chunk, as the real server does), after the last token the finish chunk and the usage chunk
 (``timings`` on it: the proxy always asks ``stream_options.include_usage``) in one write,
-``data: [DONE]`` and the last chunk. ``max_tokens`` (else ``--words``) tokens. Every event
+``data: [DONE]`` and the last chunk. ``max_tokens`` (else ``--words``) tokens. A request
+with ``"flood": true`` in its body floods instead (``bench/hostile.py``): its tokens, the
+same events, are written as fast as the reader takes them, a batch of about 64 KiB per
+turn of the loop while the connection's transport accepts more (asyncio's flow control:
+paused when its buffer is full, resumed when it drains), so that a flood costs the fake
+what its reader lets through and the other streams' ticker keeps its schedule. Every event
 has its index in its stream (progress 0, role 1, tokens 2.., finish, usage), so a client
 can check that none was lost, duplicated or reordered: the token events in their text
 (token k says `` w<k>``, its index k + 2), the others in a ``"seq"`` field. A token event
@@ -61,6 +66,7 @@ STREAM_HEAD = (b"HTTP/1.1 200 OK\r\n" + SERVER_HEAD + b"X-Accel-Buffering: no\r\
                b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                b"Keep-Alive: timeout=5, max=100\r\n\r\n")
 LAST_CHUNK = b"0\r\n\r\n"
+FLOOD_BATCH = 64 * 1024  # a flooding stream's bytes per write (per turn of the loop)
 REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 411: b"Length Required",
            501: b"Not Implemented"}
 
@@ -94,9 +100,9 @@ def chunk(payload: bytes) -> bytes:
 class Job:
     """One streamed generation: its frames as templates that take the sequence number."""
 
-    __slots__ = ("cancelled", "conn", "created", "envelope", "finish_reason", "head", "index",
-                 "model", "prompt_tokens", "seq", "slot", "start", "tail", "task", "word",
-                 "words")
+    __slots__ = ("cancelled", "conn", "created", "envelope", "finish_reason", "flood",
+                 "flood_parked", "head", "index", "model", "prompt_tokens", "seq", "slot",
+                 "start", "tail", "task", "word", "words")
 
     def __init__(self, conn: Connection, slot: Slot | None, words: int, prompt_tokens: int,
                  task: int, model: str, finish_reason: str, *, seq: bool = False) -> None:
@@ -105,6 +111,8 @@ class Job:
         self.seq = seq
         self.start = 0.0
         self.cancelled = False
+        self.flood = False  # tokens as fast as the reader takes them (``Engine.flood``)
+        self.flood_parked = False  # waiting for the transport to resume writing
         self.finish_reason = finish_reason
         self.task, self.model = task, model
         self.render(int(time.time()))
@@ -269,6 +277,7 @@ class Engine:
         if not request.get("stream"):
             conn.json(200, self.whole(job))
             return
+        job.flood = request.get("flood") is True
         conn.job = job
         if slot is None:
             slot = next((s for s in self.slots if not s.busy), None)
@@ -292,8 +301,44 @@ class Engine:
         self.events += 1
         if job.words == 0:
             self.end(job, job.start)
+        elif job.flood:
+            self.loop.call_soon(self.flood, job)
         else:
             self.schedule(job, job.start + self.config.token_delay_s)
+
+    def flood(self, job: Job) -> None:
+        """A flooding stream's next batch of tokens (``FLOOD_BATCH`` bytes), then the next
+        turn of the loop, or, once its transport's buffer is full, ``resume_writing``."""
+        conn = job.conn
+        transport = conn.transport
+        if job.cancelled or transport is None:
+            return
+        if conn.write_paused:
+            job.flood_parked = True
+            return
+        second = int(time.time())
+        if job.created != second:
+            job.render(second)
+        word, seq, words, k = job.word, job.seq, job.words, job.index
+        parts, size = [], 0
+        while k < words and size < FLOOD_BATCH:
+            frame = word % ((k, k + 2) if seq else k)
+            if k == 0:
+                frame = job.tail + frame  # the role chunk rides with the first token
+                self.events += 1
+            part = b"%x\r\n%b\r\n" % (len(frame), frame)
+            parts.append(part)
+            size += len(part)
+            k += 1
+        transport.write(b"".join(parts))
+        self.writes += 1
+        self.events += k - job.index
+        self.tokens += k - job.index
+        job.index = k
+        if k >= words:
+            self.end(job, self.loop.time())
+        else:  # (parked there if the write filled the transport's buffer)
+            self.loop.call_soon(self.flood, job)
 
     def end(self, job: Job, now: float) -> None:
         job.conn.write(job.finish(now - job.start))
@@ -437,6 +482,7 @@ class Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.job: Job | None = None
         self.close_after = False
+        self.write_paused = False  # the transport's buffer is full (flow control)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -446,6 +492,16 @@ class Connection(asyncio.Protocol):
         if self.job is not None:
             self.engine.cancel(self.job)
             self.job = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        job = self.job
+        if job is not None and job.flood_parked:
+            job.flood_parked = False
+            self.engine.flood(job)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

@@ -73,7 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar, cast
@@ -295,9 +295,11 @@ def body_of(arm: str, round_: int, stream: int, wave: int, events: int, pad: str
 
 
 async def worker(port: int, requests: list[bytes], start_at: float, results: list[Stream],
-                 timeout_s: float, fresh: bool) -> None:
+                 timeout_s: float, fresh: bool,
+                 client_factory: Callable[[], Client] = Client) -> None:
     """One stream slot: its requests back to back on one keep-alive connection (a fresh
-    connection per request with ``fresh``)."""
+    connection per request with ``fresh``); ``client_factory`` makes its connections'
+    protocol (``Client`` or a subclass that records more)."""
     loop = asyncio.get_running_loop()
     delay = start_at - loop.time()
     if delay > 0:
@@ -312,7 +314,7 @@ async def worker(port: int, requests: list[bytes], start_at: float, results: lis
                 if client is None or client.closed or not client.keep_alive:
                     if client is not None:
                         client.close()
-                    _, client = await loop.create_connection(Client, HOST, port)
+                    _, client = await loop.create_connection(client_factory, HOST, port)
                 await client.send(request, result, start)
         except (OSError, TimeoutError, ValueError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
@@ -349,13 +351,14 @@ class Plan:
                  for w in range(self.waves)] for i in range(self.streams)]
 
 
-async def run_round(port: int, plan: Plan, requests: list[list[bytes]]) -> list[Stream]:
+async def run_round(port: int, plan: Plan, requests: list[list[bytes]],
+                    client_factory: Callable[[], Client] = Client) -> list[Stream]:
     loop = asyncio.get_running_loop()
     start = loop.time() + 0.02
     span = 0.0 if plan.together else plan.stream_s
     per_worker: list[list[Stream]] = [[] for _ in requests]
     await asyncio.gather(*(worker(port, reqs, start + span * i / len(requests), per_worker[i],
-                                  plan.timeout_s, plan.fresh)
+                                  plan.timeout_s, plan.fresh, client_factory)
                            for i, reqs in enumerate(requests)))
     return [s for streams in per_worker for s in streams]
 

@@ -47,6 +47,10 @@
  * would otherwise keep one run() reading (every other stream, and the loop, waiting) and
  * its buffers growing. The rest is read next turn (epoll is level-triggered). */
 #define MAX_READ_PER_TURN (4 * READ_SIZE)
+/* The relayed events a stream's hold keeps for the generation's log: past this the stream
+ * is given back (and offered again at its next token event), so that the log is never
+ * far behind and handing it back is never a long stall of the loop. */
+#define MAX_RELAYED_HELD (1024 * 1024)
 
 typedef struct {
     char *p;
@@ -378,7 +382,7 @@ static void take_chunks(stream_t *s) {
     scan_t res = scan_body(&shape, &s->sse, s->raw.p, s->raw.len, frame_event, s);
     s->count += (Py_ssize_t)res.events;
     buf_consume(&s->raw, res.consumed);
-    if (res.stop != SCAN_MORE) s->done = 1;
+    if (res.stop != SCAN_MORE || s->relayed.len >= MAX_RELAYED_HELD) s->done = 1;
 }
 
 /* Reads until a short read (one recv per event, mostly), or MAX_READ_PER_TURN; the

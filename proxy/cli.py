@@ -42,6 +42,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
     "--max-json-values": ("max_json_values", int, "JSON values a request body may hold, "
                           "counted before it is parsed; past it a 413 (default 2,000,000)"),
+    "--max-reply-events": ("max_reply_events", int, "events of one engine reply kept "
+                           "while it streams; past them the stream ends with an error "
+                           "event (default 131,072)"),
     "--max-connections": ("max_connections", int, "open connections per listener; past it "
                           "a 503 and close (default 2048)"),
     "--head-timeout": ("head_timeout_s", float, "seconds a request's line and headers may "

@@ -84,9 +84,13 @@ class Generation:
     error, every client gone)."""
 
     def __init__(self, opener: Opener, *, grace_s: float,
-                 on_settled: Callable[[Generation], None] | None = None) -> None:
+                 on_settled: Callable[[Generation], None] | None = None,
+                 max_frames: int = 131_072) -> None:
         self._opener = opener
         self._grace_s = grace_s
+        # The log is kept whole while the answer streams: an engine that sends more than
+        # this (one that ignores max_tokens, or floods) is cut off with an error.
+        self._max_frames = max_frames
         self._on_settled = on_settled
         self.frames: list[Frame] = []
         self.head: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
@@ -283,7 +287,8 @@ class Generation:
         output, goes straight into the log: no list, and none of the checks that cannot
         apply to it (a progress, the first output, an error, the end)."""
         if (frame.kind is not _CHUNK or frame.progress is not None or self.completed
-                or self.timeline.first_output is None):
+                or self.timeline.first_output is None
+                or len(self.frames) >= self._max_frames):
             self.take_frames([frame])
             return
         self.frames.append(frame)
@@ -299,6 +304,9 @@ class Generation:
         if self.completed:
             return
         log, timeline = self.frames, self.timeline
+        if len(log) + len(frames) > self._max_frames:
+            raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
+                                        "events (--max-reply-events)")
         for frame in frames:
             if frame.progress is not None or (frame.has_output
                                               and timeline.first_output is None):

@@ -321,7 +321,8 @@ class ProxyService:
 
         generation = Generation(
             lambda g: self._open(plan, g, namespace), grace_s=self.settings.retry_grace_s,
-            on_settled=lambda g: self._record(plan, client, codec, g, arrival))
+            on_settled=lambda g: self._record(plan, client, codec, g, arrival),
+            max_frames=self.settings.max_reply_events)
         generation.on_done(finished)
         self.generations.add(generation)
         self.metrics.inflight.set(len(self.generations))

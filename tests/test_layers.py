@@ -335,10 +335,10 @@ def environment_reads(source: str) -> list[int]:
     """Lines reading the process environment: ``os.environ[...]``, ``os.environ.get``,
     ``os.getenv`` (``setdefault`` for a library's own variable is a write, not counted)."""
     return [node.lineno for node in ast.walk(ast.parse(source))
-            if _reads_environment(node)]
+            if isinstance(node, ast.expr) and _reads_environment(node)]
 
 
-def _reads_environment(node: ast.AST) -> bool:
+def _reads_environment(node: ast.expr) -> bool:
     if isinstance(node, ast.Subscript):
         return _is_environ(node.value) and isinstance(node.ctx, ast.Load)
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):

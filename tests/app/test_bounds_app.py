@@ -64,3 +64,17 @@ async def test_a_body_of_too_many_json_values_is_a_413_before_it_is_parsed() -> 
     assert refused.json()["error"]["code"] == "too_many_values"
     assert served.status_code == 200, served.text
     assert len(engine.requests) == 1
+
+
+async def test_an_engine_reply_past_max_reply_events_ends_with_an_error_event() -> None:
+    """An engine that sends more than ``--max-reply-events`` (one ignoring max_tokens, or
+    flooding) is cut off: the client gets what came before, then a clean error event."""
+    engine = FakeLlamaServer(FakeLlamaConfig(reply=" ".join(f"w{i}" for i in range(1500))))
+    async with running_proxy(engine, max_reply_events=1024) as (client, _):
+        answer = await client.post("/v1/chat/completions", json={
+            **body("long"), "max_tokens": 2000, "stream": True})
+    assert answer.status_code == 200
+    events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert "w100 " in answer.text.replace('"', " ")
+    assert "--max-reply-events" in events[-1], events[-1]
+    assert "w1400" not in answer.text
