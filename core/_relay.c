@@ -794,7 +794,8 @@ PyMODINIT_FUNC PyInit__relay(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "MAX_PENDING", MAX_PENDING) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_SIZE_LINE", MAX_SIZE_LINE) < 0) {
+        PyModule_AddIntConstant(m, "MAX_SIZE_LINE", MAX_SIZE_LINE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_RELAYED_HELD", MAX_RELAYED_HELD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

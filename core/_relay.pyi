@@ -7,6 +7,7 @@ ScanStop: TypeAlias = Literal["more", "event", "cr", "size", "framing", "end", "
 
 STOPS: tuple[ScanStop, ...]
 MAX_PENDING: int  # bytes of a chunk, or of an event not whole yet, before "too-long"
+MAX_RELAYED_HELD: int  # relayed event bytes a hold keeps before the stream is given back
 MAX_SIZE_LINE: int  # hex digits of a chunk's size line
 
 class Relay:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.coverage_gate import PLUGIN_NAME, CoverageGate
 from tests.rig.parts import require_chromium, require_llama_cpp, require_redis_server
 
 
@@ -58,3 +59,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         handle = getattr(utils, name, None)
         if handle is not None:
             handle.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The coverage gate (tests/coverage_gate.py): a run of the whole suite fails when line+branch
+    # coverage of prefixpin falls under its gates; a run of some tests only is never gated.
+    config.pluginmanager.register(CoverageGate(config), PLUGIN_NAME)

@@ -117,3 +117,43 @@ def test_the_dockerfile_copies_exactly_the_packages() -> None:
     """The image installs from the packages alone (no tests, rig or benches), all of them."""
     copied = re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M)
     assert sorted(copied) == sorted([*PACKAGES, "prefixpin"])
+
+
+def test_the_coverage_gate_is_configured(pytestconfig: object) -> None:
+    """Every run measures line+branch coverage of the real package folders (pytest-cov, from
+    addopts), and a run of the whole suite is gated (tests/coverage_gate.py, registered by
+    tests/conftest.py): overall, and higher for fingerprint/, the SSE/NDJSON framing (every
+    client codec that streams SSE or NDJSON among them) and proxy/paths.py."""
+    import tomllib
+
+    import pytest
+
+    from tests.coverage_gate import AREAS, PLUGIN_NAME
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(r.startswith("pytest-cov") for r in project["project"][
+        "optional-dependencies"]["test"])
+    addopts = project["tool"]["pytest"]["ini_options"]["addopts"].split()
+    assert "--cov" in addopts
+    assert "--no-cov" not in addopts
+    run = project["tool"]["coverage"]["run"]
+    assert run["branch"] is True
+    assert set(PACKAGES) <= set(run["source"])  # the real folders, not prefixpin/'s links
+    assert isinstance(pytestconfig, pytest.Config)
+    assert pytestconfig.pluginmanager.has_plugin(PLUGIN_NAME)
+
+    gates = {area.name: area for area in AREAS}
+    overall = gates.pop("overall")
+    assert overall.include == ()
+    assert overall.gate >= 80
+    assert set(gates) == {"fingerprint", "sse/ndjson codecs", "proxy/paths.py"}
+    for area in gates.values():
+        assert area.gate > overall.gate, area
+        for pattern in area.include:
+            assert list(ROOT.glob(pattern)), f"{area.name}: {pattern} matches no file"
+    streaming = {f"proxy/codecs/{path.name}" for path in (ROOT / "proxy" / "codecs").glob("*.py")
+                 if re.search(r"^\s+media_type = (SSE|NDJSON)_MEDIA_TYPE$",
+                              path.read_text(), re.M)}
+    assert streaming, "no SSE/NDJSON codec found under proxy/codecs"
+    codecs = set(gates["sse/ndjson codecs"].include)
+    assert {"core/sse.py", "core/ndjson.py"} | streaming <= codecs, streaming - codecs

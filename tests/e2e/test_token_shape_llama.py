@@ -12,7 +12,7 @@ import pytest
 
 from prefixpin.adapters.openai_sse import classify_whole
 from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.http_limits import compiled_relay_of, http_options
 from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess
@@ -64,7 +64,7 @@ def test_the_compiled_relay_writes_a_real_stream_as_the_python_relay_does(
         with serve_proxy(create_apps(Settings(upstream=llama.url)), **options) as url:
             response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
             assert response.status_code == 200, response.text
-            relay = options["http"]._compiled_relay
+            relay = compiled_relay_of(options["http"])
             relayed = 0 if relay is None else relay.relayed
         answers[compiled] = [_comparable(block) for block in response.text.split("\n\n")
                              if block.startswith("data: ")]

@@ -17,7 +17,7 @@ from tests.rig.parts import require_compiled_relay
 
 require_compiled_relay()
 
-from prefixpin.core._relay import Relay, plain_json_text  # noqa: E402
+from prefixpin.core._relay import MAX_RELAYED_HELD, Relay, plain_json_text  # noqa: E402
 
 HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
 TAIL = b'"}}],"created":1796000000,"id":"chatcmpl-x","object":"chat.completion.chunk"}\n\n'
@@ -334,7 +334,9 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     pair.adopt()
-    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(6000))  # ~1.4 MB
+    # ~0.95 MB: more than three turns' reads, under what a hold keeps (MAX_RELAYED_HELD)
+    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(2800))
+    assert 3 * 256 * 1024 < len(wire) < MAX_RELAYED_HELD
     pair.engine_peer.setblocking(False)
     sent = pair.engine_peer.send(wire)
     assert sent == len(wire)  # ready at once
@@ -359,3 +361,29 @@ def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
     ((_, relayed, count, engine, _, _, _),) = pair.run()
     assert (relayed, count) == (token("x"), 1)
     assert engine == chunk(crlf)
+
+
+def test_a_hold_gives_the_stream_back_once_it_keeps_its_bound_of_relayed_events(
+        pair: Pair) -> None:
+    """The events a hold keeps for the generation's log are bounded: past
+    ``MAX_RELAYED_HELD`` the stream is given back (Python then takes them into the log, and
+    the next token event offers the stream again), every byte accounted for."""
+    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.adopt()
+    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(6000))  # ~1.4 MB
+    pair.engine_peer.setblocking(False)
+    assert pair.engine_peer.send(wire) == len(wire)
+    backs = []
+    for _ in range(100):
+        backs += pair.run()
+        if backs:
+            break
+    ((_, relayed, count, engine, unsent, _, _),) = backs
+    assert MAX_RELAYED_HELD <= len(relayed) < MAX_RELAYED_HELD + 320_000
+    assert unsent == b""
+    received = pair.received()
+    assert received == wire[:len(received)]  # the events relayed, framed as the engine did
+    assert received.count(b"\r\ndata: ") == count
+    assert engine == wire[len(received):len(received) + len(engine)]  # then what it read on
