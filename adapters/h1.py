@@ -38,10 +38,13 @@ PUSHED_BODY = "prefixpin.pushed_body"  # the response extension holding a ``_Bod
 HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
 # A pushed body's bytes read from one connection in one turn of the loop, past which its
 # reading waits for the next turn: an engine that writes faster than the proxy relays must
-# not keep the loop (every other stream) in its reads. Counted only for large reads (a
-# streamed token is a few hundred bytes): the common read pays nothing for it.
-READ_PER_TURN = 256 * 1024
-LARGE_READ = 16 * 1024
+# not keep the loop (every other stream) in its reads. A streamed token is a few hundred
+# bytes, and an engine generating hundreds of tokens a second writes a few kilobytes a
+# turn: only a flood reaches this. Reads are at most ``READ_SIZE`` (the connection reads
+# into its own buffer), so one turn's work for a connection is bounded too.
+READ_SIZE = 16 * 1024
+READ_PER_TURN = 16 * 1024
+LARGE_READ = 4 * 1024
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 # The engine's response head, bounded: its bytes (an endless header line or header count
@@ -157,11 +160,12 @@ async def _connect(key: tuple[str, int], timeout_s: float | None,
     return connection
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection to the engine, one request at a time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._read_buffer = memoryview(bytearray(READ_SIZE))
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
@@ -322,6 +326,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         if not self._in_request or self.complete:
