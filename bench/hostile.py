@@ -100,6 +100,7 @@ from bench.load import (
     resolve_model,
     run_async,
     run_round,
+    write_results,
 )
 from bench.trees import Tree, tree_line
 from prefixpin.proxy.http_limits import MAX_HEAD_BYTES
@@ -284,13 +285,8 @@ class Attack:
                 continue
             reader, writer = pair
             answer = asyncio.ensure_future(read_status(reader))
-            if await first_of(answer, self.stopping):
-                stats.answers[answer.result()] += 1
-            else:
-                answer.cancel()
-                stats.open_at_stop += 1
-            writer.close()
-            await self.pause(0.05)
+            await first_of(answer, self.stopping)
+            await self.settle(stats, answer, writer)
 
     async def slowloris(self, i: int) -> None:
         """A request head a few bytes at a time that never ends; answered, again."""
@@ -313,13 +309,19 @@ class Attack:
                 sent += len(piece)
                 stats.bytes += len(piece)
                 await first_of(answer, self.stopping, c.slowloris_interval_s)
-            if answer.done():
-                stats.answers[answer.result()] += 1
-            else:
-                answer.cancel()
-                stats.open_at_stop += 1
-            writer.close()
-            await self.pause(0.05)
+            await self.settle(stats, answer, writer)
+
+    async def settle(self, stats: KindStats, answer: asyncio.Future[str],
+                     writer: asyncio.StreamWriter) -> None:
+        """An attacker's connection done with: its answer counted (or that it was still
+        open when the round stopped), closed, and a moment before the next."""
+        if answer.done():
+            stats.answers[answer.result()] += 1
+        else:
+            answer.cancel()
+            stats.open_at_stop += 1
+        writer.close()
+        await self.pause(0.05)
 
     async def flood(self, i: int) -> None:
         """Flooding streams, one at a time, ``flood_gap_s`` apart; each read to its end."""
@@ -1169,11 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     result["targets"] = verdicts(result)
     result["runtime_s"] = round(time.monotonic() - began, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "RUN.md").write_text(render(result))
-    print("\n".join(summary_lines(result)))
-    print(f"\nwrote {args.out / 'RUN.md'} and result.json; process logs in {logs}")
+    write_results(args.out, result, render(result), summary_lines(result), logs)
     return 0 if all(row["verdict"] != "not met" for row in result["targets"]) else 1
 
 

@@ -957,6 +957,16 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 # ---------------------------------------------------------------------------------- main
 
+def write_results(out: Path, result: dict[str, Any], run_md: str, summary: list[str],
+                  logs: Path) -> None:
+    """A bench's result.json and RUN.md into ``out``, and its summary to the terminal."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "RUN.md").write_text(run_md)
+    print("\n".join(summary))
+    print(f"\nwrote {out / 'RUN.md'} and result.json; process logs in {logs}")
+
+
 def resolve_model(name: str) -> str:
     if name == "none":
         return "fast-model.gguf"
@@ -1065,11 +1075,7 @@ def main() -> int:
     }
     result["targets"] = verdicts(runs, burst)
     result["runtime_s"] = round(time.monotonic() - began, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "RUN.md").write_text(render(result))
-    print("\n".join(summary_lines(result)))
-    print(f"\nwrote {args.out / 'RUN.md'} and result.json; process logs in {logs}")
+    write_results(args.out, result, render(result), summary_lines(result), logs)
     failed = any(r["verdict"] != "ok" for r in runs) or (burst is not None
                                                          and burst["verdict"] != "ok")
     return 1 if failed else 0
