@@ -3,7 +3,7 @@ measuring the proxy and not the fake (issue 18).
 
 A fast fake llama-server (``bench/fast_engine.py``: raw asyncio on uvloop, its frames
 pre-rendered, one shared ticker; its own process, as many slots as streams) serves both
-arms; prefixpin runs in its own process in front of it (``python -m proxy.cli serve
+arms; prefixpin runs in its own process in front of it (``python -m prefixpin.proxy.cli serve
 --upstream URL --port P``, i.e. ``prefixpin serve``, features at their defaults, logs at
 info into a file), ready once ``/healthz`` says 200 with its upstream ``ok``. The fake's
 ``/props`` names a real GGUF (SmolLM2, when cached: ``--model``), so the proxy reads its

@@ -45,7 +45,7 @@ from tests.fuzz.reference import (
     scan_in_pieces,
 )
 
-# (token, relayed, count, engine, unsent, last read, last write): a stream given back.
+# (hold, relayed, count, engine, unsent, last read, last write): a stream given back.
 Back = tuple[Any, bytes, int, bytes, bytes, float, float]
 
 SHAPES: list[tuple[bytes, bytes]] = [
@@ -269,7 +269,7 @@ ENDS = ("engine-eof", "engine-close", "engine-reset", "client-close", "client-re
 
 
 @dataclass(eq=False)
-class Leg:
+class Fuzzed:
     """One stream under test: its wire, its sockets, what it sent and read, its fate."""
 
     head: bytes
@@ -385,7 +385,7 @@ def relay_case(rng: random.Random, stats: dict[str, int]) -> None:
     from prefixpin.core._relay import Relay
 
     relay = Relay()
-    legs: list[Leg] = []
+    streams: list[Fuzzed] = []
     tcp = rng.random() < 0.35
     for _ in range(rng.randint(1, 4)):
         head, tail = rng.choice(SHAPES)
@@ -402,107 +402,108 @@ def relay_case(rng: random.Random, stats: dict[str, int]) -> None:
         action = rng.choice(ACTIONS)
         if action.endswith("reset") and not tcp:
             action = action.replace("reset", "close")
-        leg = Leg(head, tail, data, reference_scan(data, head, tail), tcp, cuts, action,
+        stream = Fuzzed(head, tail, data, reference_scan(data, head, tail), tcp, cuts, action,
                   rng.randint(0, 60), rng.choice([0.3, 0.05]) if kind == "slow" else 1.0,
                   kind == "burst")
-        relay.adopt(leg.engine.fileno(), leg.client.fileno(), head, tail, leg)
-        legs.append(leg)
-    stats["streams"] += len(legs)
-    for leg in legs:
-        stop = f"wires stopping at {leg.ref.stop}"
+        relay.adopt(stream.engine.fileno(), stream.client.fileno(), head, tail, stream)
+        streams.append(stream)
+    stats["streams"] += len(streams)
+    for stream in streams:
+        stop = f"wires stopping at {stream.ref.stop}"
         stats[stop] = stats.get(stop, 0) + 1
     try:
-        run_legs(rng, relay, legs, stats)
+        run_streams(rng, relay, streams, stats)
     finally:
         relay.close()
-        for leg in legs:
-            leg.close()
+        for stream in streams:
+            stream.close()
 
 
-def act(relay: Any, leg: Leg) -> bool:
+def act(relay: Any, stream: Fuzzed) -> bool:
     """Whether the stream is still the relay's after its action."""
-    leg.acted = True
-    if leg.action == "reclaim":
-        back = relay.reclaim(leg)
+    stream.acted = True
+    if stream.action == "reclaim":
+        back = relay.reclaim(stream)
         assert back is not None
-        leg.check(back, held=True)
-    elif leg.action == "drop":
+        stream.check(back, held=True)
+    elif stream.action == "drop":
         held = relay.held()
-        assert relay.drop(leg) is True
+        assert relay.drop(stream) is True
         assert relay.held() == held - 1
-        assert relay.reclaim(leg) is None
-        leg.live = False
-    elif leg.action == "engine-eof":
-        leg.engine_peer.shutdown(socket.SHUT_WR)
-        leg.stopped_sending = True
-    elif leg.action == "engine-close":
-        leg.engine_peer.close()
-        leg.stopped_sending = True
-    elif leg.action == "engine-reset":
-        reset(leg.engine_peer)
-        leg.engine_reset = leg.stopped_sending = True
-    elif leg.action in ("client-close", "client-reset"):
-        leg.read_client()
-        if leg.action == "client-reset":
-            reset(leg.client_peer)
+        assert relay.reclaim(stream) is None
+        stream.live = False
+    elif stream.action == "engine-eof":
+        stream.engine_peer.shutdown(socket.SHUT_WR)
+        stream.stopped_sending = True
+    elif stream.action == "engine-close":
+        stream.engine_peer.close()
+        stream.stopped_sending = True
+    elif stream.action == "engine-reset":
+        reset(stream.engine_peer)
+        stream.engine_reset = stream.stopped_sending = True
+    elif stream.action in ("client-close", "client-reset"):
+        stream.read_client()
+        if stream.action == "client-reset":
+            reset(stream.client_peer)
         else:
-            leg.client_peer.close()
+            stream.client_peer.close()
         # An AF_UNIX close fails the relay's next write; over TCP, a write can still be
         # taken before the peer's reset comes back, and be lost.
-        leg.client_reset = leg.tcp
-        leg.client_closed = True
-        leg.read_chance = 0
-    return leg.live
+        stream.client_reset = stream.tcp
+        stream.client_closed = True
+        stream.read_chance = 0
+    return stream.live
 
 
-def run_legs(rng: random.Random, relay: Any, legs: list[Leg], stats: dict[str, int]) -> None:
-    by_token = {id(leg): leg for leg in legs}
+def run_streams(rng: random.Random, relay: Any, streams: list[Fuzzed],
+                stats: dict[str, int]) -> None:
+    by_hold = {id(stream): stream for stream in streams}
     quiet = 0
     for step in range(40_000):
-        for leg in legs:
-            if not leg.live:
+        for stream in streams:
+            if not stream.live:
                 continue
-            if step == leg.action_at and leg.action != "none" and not act(relay, leg):
+            if step == stream.action_at and stream.action != "none" and not act(relay, stream):
                 continue
-            leg.feed()
-            if leg.read_chance and rng.random() < leg.read_chance:
-                leg.read_client()
+            stream.feed()
+            if stream.read_chance and rng.random() < stream.read_chance:
+                stream.read_client()
         backs = relay.run()
         for back in backs:
-            by_token[id(back[0])].check(back)
+            by_hold[id(back[0])].check(back)
             stats["given back"] += 1
             stats["events"] += back[2]
             stats["given back unsent"] += bool(back[4])
-        live = [leg for leg in legs if leg.live]
+        live = [stream for stream in streams if stream.live]
         if not live:
             return
-        sent = all(leg.stopped_sending or leg.sent == len(leg.wire) for leg in live)
+        sent = all(stream.stopped_sending or stream.sent == len(stream.wire) for stream in live)
         quiet = quiet + 1 if sent and not backs else 0
         if quiet >= 3:
-            for leg in live:  # a last turn with each client drained
-                if leg.read_chance:
-                    leg.read_client()
-            if quiet >= 8 and not any(unread(leg) for leg in live):
+            for stream in live:  # a last turn with each client drained
+                if stream.read_chance:
+                    stream.read_client()
+            if quiet >= 8 and not any(unread(stream) for stream in live):
                 break
     # Held with every byte sent and read: the reference needs more too, and a reclaim
     # gives back exactly the rest. A close (the relay's own) ends some cases instead.
     if rng.random() < 0.15:
         return
-    for leg in legs:
-        if leg.live:
-            back = relay.reclaim(leg)
+    for stream in streams:
+        if stream.live:
+            back = relay.reclaim(stream)
             assert back is not None
-            leg.check(back, held=True)
+            stream.check(back, held=True)
             stats["reclaimed at the end"] += 1
             stats["events"] += back[2]
 
 
-def unread(leg: Leg) -> bool:
+def unread(stream: Fuzzed) -> bool:
     """Whether the engine's socket still holds bytes the relay has not read."""
-    if leg.engine_reset:
+    if stream.engine_reset:
         return False
     try:
-        return bool(leg.engine.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        return bool(stream.engine.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
