@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import httpx
 
 from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
-from tests.fakes.servers import free_port
+from tests.fakes.servers import free_port, free_ports
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
 
@@ -107,7 +107,7 @@ def before_arms(count: int) -> list[str]:
 def run(requests: int, events: int, before: Tree | list[Tree] | None = None,
         streams: int = 3) -> dict[str, Any]:
     befores = [] if before is None else [before] if isinstance(before, Tree) else before
-    fake_port, proxy_port = free_port(), free_port()
+    fake_port, proxy_port = free_ports(2)
     fake = f"http://127.0.0.1:{fake_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
     # The fake writes 16 events per socket write: the relay is measured, not the fake's

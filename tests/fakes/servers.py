@@ -23,10 +23,17 @@ class _Server(uvicorn.Server):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct free ports: each socket stays bound until all are chosen (two
+    calls of one port each may return the same one, as the kernel reuses it at once)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(int(sock.getsockname()[1]) for sock in sockets)
 
 
 @contextlib.contextmanager
@@ -72,7 +79,7 @@ def serve_proxy(apps: ProxyApps, *, startup_timeout: float = 30.0,
     ``prefixpin serve`` runs them (``proxy.server``): the operator listener forwards
     through the lanes' engine clients, which belong to the loop the tenant's lifespan
     opened them in."""
-    ports = free_port(), free_port()
+    ports = free_ports(2)
     def config(app: ASGIApp, port: int, *, lifespan: bool) -> uvicorn.Config:
         return uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                               access_log=False, timeout_graceful_shutdown=3,
