@@ -72,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -276,31 +276,30 @@ class Attack:
         """A connection that sends nothing; answered, it is opened again."""
         await asyncio.sleep(i % 100 * 0.002)  # not a thousand SYNs in one burst
         stats = self.stats["idle"]
+        async for reader, writer in self.connections("idle"):
+            answer = asyncio.ensure_future(read_status(reader))
+            await first_of(answer, self.stopping)
+            await self.settle(stats, answer, writer)
+
+    async def connections(self, kind: str
+                          ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """An attacker's connections, one after another, until the round stops (a refused
+        connect is tried again a moment later)."""
         first = True
         while not self.stopping.done():
-            pair = await self.connect("idle", first)
+            pair = await self.connect(kind, first)
             first = False
             if pair is None:
                 await self.pause(0.1)
                 continue
-            reader, writer = pair
-            answer = asyncio.ensure_future(read_status(reader))
-            await first_of(answer, self.stopping)
-            await self.settle(stats, answer, writer)
+            yield pair
 
     async def slowloris(self, i: int) -> None:
         """A request head a few bytes at a time that never ends; answered, again."""
         c = self.config
         stats = self.stats["slowloris"]
         await asyncio.sleep(c.slowloris_interval_s * i / max(1, c.slowloris))
-        first = True
-        while not self.stopping.done():
-            pair = await self.connect("slowloris", first)
-            first = False
-            if pair is None:
-                await self.pause(0.1)
-                continue
-            reader, writer = pair
+        async for reader, writer in self.connections("slowloris"):
             answer = asyncio.ensure_future(read_status(reader))
             sent = 0
             while not answer.done() and not self.stopping.done() and sent < len(self.slow_head):
