@@ -3,8 +3,9 @@
 httpx's own transport reads a response through httpcore: h11, a pure-Python parser, and
 an anyio cancel scope around every socket read. On a streamed answer that is one parse
 and one scope per engine event, the largest share of what relaying an event cost the
-proxy (``bench/results/load/PROFILE.md``). Here a connection is an ``asyncio.Protocol``
-that feeds what arrives to ``httptools.HttpResponseParser``; the body's chunks wait in a
+proxy (``bench/results/load/PROFILE.md``). Here a connection is an asyncio protocol that
+reads into its own buffer (``READ_SIZE``: a bound on one read's work) and feeds what
+arrives to ``httptools.HttpResponseParser``; the body's chunks wait in a
 list until the reader takes them (all those that arrived, in one piece), and a read
 timeout is one timer per connection, re-armed only when it fires early, not a timer per
 read.
@@ -322,7 +323,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._timer.cancel()
             self._timer = None
 
-    # ---------------------------------------------------------------- asyncio.Protocol
+    # ---------------------------------------------------------------- asyncio.BufferedProtocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass

@@ -334,7 +334,7 @@ class _FrameFeed(Generic[T]):
     """A pushed body's reads, decoded and classified into frames for a sink
     (``adapters.h1.BodyReader``)."""
 
-    __slots__ = ("_classify", "_decoder", "_door", "_last_whole", "_sink", "_take_frame",
+    __slots__ = ("_classify", "_decoder", "_door", "_last_whole", "_take_frame",
                  "_take_frames", "_what", "_whole", "watches_reads")
 
     def __init__(self, what: str, decoder: StreamDecoder[T], classify: Callable[[T], Frame],
@@ -342,7 +342,6 @@ class _FrameFeed(Generic[T]):
         self._what = what
         self._decoder = decoder
         self._classify = classify
-        self._sink = sink
         self._take_frame, self._take_frames = sink.take_frame, sink.take_frames
         self._whole = whole
         self._door = sink.relay_door

@@ -362,14 +362,7 @@ class Attack:
         kind = OVERSIZED_KINDS[i % len(OVERSIZED_KINDS)]
         stats = self.stats[kind]
         await asyncio.sleep(c.oversized_gap_s * i / max(1, c.oversized))
-        first = True
-        while not self.stopping.done():
-            pair = await self.connect(kind, first)
-            first = False
-            if pair is None:
-                await self.pause(0.1)
-                continue
-            reader, writer = pair
+        async for reader, writer in self.connections(kind):
             answer = asyncio.ensure_future(read_status(reader))
             try:
                 if kind == "body_streamed":
