@@ -37,15 +37,16 @@ except ImportError:  # pragma: no cover - a platform without the wheel
 
 PUSHED_BODY = "prefixpin.pushed_body"  # the response extension holding a ``_Body``
 HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
-# A pushed body's bytes read from one connection in one turn of the loop, past which its
-# reading waits for the next turn: an engine that writes faster than the proxy relays must
-# not keep the loop (every other stream) in its reads. A streamed token is a few hundred
-# bytes, and an engine generating hundreds of tokens a second writes a few kilobytes a
-# turn: only a flood reaches this. Reads are at most ``READ_SIZE`` (the connection reads
-# into its own buffer), so one turn's work for a connection is bounded too.
+# An engine that writes faster than the proxy relays must not keep the loop (every other
+# stream) in its reads. A pushed body's read that fills the buffer offered (more is
+# waiting: the engine floods) is its connection's last of the turn; it reads again in the
+# next one. The connections flooding at once split ``TURN_READ_BUDGET`` (``ReadShare``), so
+# ten floods cost the other streams no more per turn than one. A streamed token is a few
+# hundred bytes, and an engine generating hundreds of tokens a second writes a few
+# kilobytes a turn: only a flood fills even ``MIN_READ``.
 READ_SIZE = 16 * 1024
-READ_PER_TURN = 16 * 1024
-LARGE_READ = 4 * 1024
+TURN_READ_BUDGET = 16 * 1024
+MIN_READ = 2 * 1024
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 # The engine's response head, bounded: its bytes (an endless header line or header count
@@ -65,10 +66,38 @@ def engine_transport(limits: httpx.Limits, *,
     return H1Transport(limits)
 
 
+class ReadShare:
+    """The read each flooding engine connection of one transport is offered per turn:
+    ``TURN_READ_BUDGET`` split between those flooding now, within [``MIN_READ``,
+    ``READ_SIZE``]."""
+
+    def __init__(self) -> None:
+        self._flooding: set[_Connection] = set()
+        self.size = READ_SIZE
+
+    def flooding(self, connection: _Connection) -> None:
+        self._flooding.add(connection)
+        self._resize()
+
+    def calm(self, connection: _Connection) -> None:
+        if connection in self._flooding:
+            self._flooding.discard(connection)
+            self._resize()
+
+    @property
+    def floods(self) -> int:
+        return len(self._flooding)
+
+    def _resize(self) -> None:
+        share = TURN_READ_BUDGET // max(1, len(self._flooding))
+        self.size = max(MIN_READ, min(READ_SIZE, share))
+
+
 class H1Transport(httpx.AsyncBaseTransport):
     def __init__(self, limits: httpx.Limits | None = None,
                  fallback: httpx.AsyncBaseTransport | None = None) -> None:
         limits = limits or httpx.Limits()
+        self.reads = ReadShare()
         self._max_idle = limits.max_keepalive_connections
         self._expiry = limits.keepalive_expiry
         self._fallback = fallback or httpx.AsyncHTTPTransport(limits=limits)
@@ -100,7 +129,7 @@ class H1Transport(httpx.AsyncBaseTransport):
         key = (url.host, url.port or 80)
         connection = self._take_idle(key)
         if connection is None:
-            connection = await _connect(key, timeouts.get("connect"), request)
+            connection = await _connect(key, timeouts.get("connect"), request, self.reads)
         try:
             connection.send(method, url.raw_path, headers, content, request)
             if connection.write_paused:
@@ -149,11 +178,12 @@ class H1Transport(httpx.AsyncBaseTransport):
 
 
 async def _connect(key: tuple[str, int], timeout_s: float | None,
-                   request: httpx.Request | None) -> _Connection:
+                   request: httpx.Request | None, reads: ReadShare) -> _Connection:
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
-            _, connection = await loop.create_connection(lambda: _Connection(loop), *key)
+            _, connection = await loop.create_connection(lambda: _Connection(loop, reads),
+                                                         *key)
     except TimeoutError as exc:
         raise httpx.ConnectTimeout("connect timed out", request=request) from exc
     except OSError as exc:
@@ -164,9 +194,13 @@ async def _connect(key: tuple[str, int], timeout_s: float | None,
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection to the engine, one request at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, reads: ReadShare) -> None:
         self._loop = loop
         self._read_buffer = memoryview(bytearray(READ_SIZE))
+        self._reads = reads
+        self._offered = READ_SIZE  # the last read's buffer size
+        self._filled = False  # the last read filled it
+        self._flooding = False  # counted in ``reads``
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
@@ -186,8 +220,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._in_request = False
         self._lost = False
         self._reading_paused = False
-        self._turn_read = 0  # large reads' bytes this turn (``READ_PER_TURN``)
-        self._turn_paused = False
+        self._turn_paused = False  # a flooding read was this turn's last
         self._request: httpx.Request | None = None
         self.write_paused = False
         self.idle_since = 0.0
@@ -211,6 +244,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.keep_alive = False
         self.error: Exception | None = None
         self.sink_error: Exception | None = None
+        self._calm()
 
     # ---------------------------------------------------------------- the request
 
@@ -329,9 +363,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._read_buffer
+        size = self._offered = self._reads.size if self._flooding else READ_SIZE
+        return self._read_buffer[:size]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._filled = nbytes >= self._offered
         self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
@@ -363,8 +399,10 @@ class _Connection(asyncio.BufferedProtocol):
             # the sink raised (its error is the reader's: the sink is gone then).
             if self._timeout_s is not None:  # the silence the timeout measures restarts
                 self._deadline = self._loop.time() + self._timeout_s
-            if len(data) >= LARGE_READ:
-                self._count_turn(len(data))
+            if self._filled:
+                self._flooded()
+            elif self._flooding:
+                self._calm()
             if (after_read := self.after_read) is not None:
                 after_read(self)
             return
@@ -374,17 +412,23 @@ class _Connection(asyncio.BufferedProtocol):
             self._reading_paused = True
         self._wake()
 
-    def _count_turn(self, size: int) -> None:
-        if not self._turn_read:
-            self._loop.call_soon(self._next_turn)
-        self._turn_read += size
-        if self._turn_read >= READ_PER_TURN and not self._turn_paused and not self._lost:
+    def _flooded(self) -> None:
+        """A read that filled its buffer: this connection's last of the turn."""
+        if not self._flooding:
+            self._flooding = True
+            self._reads.flooding(self)
+        if not self._turn_paused and not self._lost:
             assert self._transport is not None
             self._transport.pause_reading()
             self._turn_paused = True
+            self._loop.call_soon(self._next_turn)
+
+    def _calm(self) -> None:
+        if self._flooding:
+            self._flooding = False
+            self._reads.calm(self)
 
     def _next_turn(self) -> None:
-        self._turn_read = 0
         if not self._turn_paused:
             return
         self._turn_paused = False
@@ -399,6 +443,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._calm()
         if self._in_request and not self.complete and self.error is None:
             request = self._request_or_none()
             if exc is not None and not self._received:
@@ -489,6 +534,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()
+        self._calm()
 
     # ---------------------------------------------------------------- helpers
 

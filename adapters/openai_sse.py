@@ -12,7 +12,7 @@ bytes around it are the ones parsed, whole, before.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -187,12 +187,20 @@ class TokenShape:
         its tail's digits moved on). The compiled relay took each for one only if its text
         is a JSON string's body (``core/_relay.c``); events that do not split into
         ``count`` such events are the relay's bug, raised as a protocol error."""
-        head, field, figured = self.head, self.field, self.figured
+        field, figured = self.field, self.figured
+        return [_token_frame(raw, field, figured, text) for raw, text in self._read(events, count)]
+
+    def text(self, events: bytes, count: int) -> str:
+        """The joined text of ``count`` token events relayed as ``events`` (checked as
+        ``frames`` checks them): all a log that folds what its client read needs of them."""
+        return "".join([text for _, text in self._read(events, count)])
+
+    def _read(self, events: bytes, count: int) -> Iterator[tuple[bytes, str]]:
+        head = self.head
         start, cut = len(head) - 1, len(self.tail)
         pieces = events.split(b"\n\n")
         if pieces.pop() != b"" or len(pieces) != count:
             raise UpstreamProtocolError("compiled relay: its events do not split as counted")
-        frames = []
         for piece in pieces:
             raw = piece + b"\n\n"
             # (Its tail may differ in digits: llama-server's ``created`` moves on.)
@@ -202,8 +210,7 @@ class TokenShape:
                 text = orjson.loads(raw[start:len(raw) - cut + 1])
             except orjson.JSONDecodeError as exc:
                 raise UpstreamProtocolError("compiled relay: a token's text is not JSON") from exc
-            frames.append(_token_frame(raw, field, figured, text))
-        return frames
+            yield raw, text
 
 
 def _token_frame(raw: bytes, field: str | None, figured: bool | None, text: str) -> Frame:

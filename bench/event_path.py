@@ -76,7 +76,12 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     from prefixpin.proxy.relay import LiveStream
 
     loop = asyncio.get_running_loop()
-    connection = _Connection(loop)
+    try:
+        from prefixpin.adapters.h1 import ReadShare
+    except ImportError:  # a tree from before the connections shared their flooding reads
+        connection = _Connection(loop)  # type: ignore[call-arg,unused-ignore]
+    else:
+        connection = _Connection(loop, ReadShare())
     connection.connection_made(NullTransport())  # type: ignore[arg-type]
     request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions", content=b"{}")
     try:

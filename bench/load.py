@@ -690,7 +690,7 @@ def start_py_spy(pid: int, out: Path, rate: int) -> list[subprocess.Popen[bytes]
     return samplers
 
 
-PRODUCT = re.compile(r"\((?:proxy|core|adapters|fingerprint)/")
+PRODUCT = re.compile(r"\((?:prefixpin/)?(?:proxy|core|adapters|fingerprint)/")
 ROOT = re.compile(r"^(?:_run_module_as_main|Thread\._bootstrap|<module>) \(")
 WAITING = re.compile(r"^(?:EpollSelector|_PollLikeSelector|PollSelector)\.select \(selectors\.py")
 

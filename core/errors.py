@@ -7,6 +7,7 @@
     │   ├── NotFoundError           404
     │   └── ClientDisconnectedError 499 the client left before its body was read
     ├── QueueTimeoutError           503 + Retry-After: waited --queue-timeout for a slot
+    ├── BodiesFullError             503 + Retry-After: the bodies read at once hold --max-bodies
     ├── GenerationCancelledError    499 every client left and the grace period ran out
     └── UpstreamError               the engine is at fault or unreachable
         ├── UpstreamUnavailableError   502 connect refused / reset / engine gone
@@ -72,6 +73,23 @@ class QueueTimeoutError(ProxyError):
     status_code = 503
     error_type = "server_busy"
     code = "queue_timeout"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class BodiesFullError(ProxyError):
+    """The request bodies being read at once, across every connection, would hold more than
+    --max-bodies bytes with this one: the server is busy, not the request at fault."""
+
+    status_code = 503
+    error_type = "server_busy"
+    code = "request_bodies_full"
+    limit = "bodies"  # the bound it hit, as prefixpin_limit_refusals_total labels it
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)

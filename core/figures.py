@@ -27,6 +27,17 @@ from typing import Any
 from prefixpin.core.frames import Frame, FrameKind, Progress
 
 
+def may_carry_figures(frame: Frame) -> bool:
+    """Whether ``figures_from`` may read anything from ``frame`` (kept by a log that lets go
+    of the frames its clients have read: ``proxy.aggregate.fold_read``)."""
+    if frame.figured is not None:
+        return frame.figured
+    if frame.raw:
+        return _names_a_figure(frame.raw)
+    data = frame.data or {}
+    return any(key in data for key in ("timings", "usage", "stop", "done"))
+
+
 def _names_a_figure(raw: bytes) -> bool:
     """The fields figures are read from, as they appear in an event's bytes (a key is
     written as a JSON string; escaped within a string's text it is not this sequence)."""

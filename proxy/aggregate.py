@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixpin.adapters.base import Frame, FrameKind
+from prefixpin.core.figures import may_carry_figures
 
 # Top-level chunk fields a non-streamed answer never has.
 STREAM_ONLY = frozenset({"prompt_progress"})
@@ -124,6 +125,49 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
     if not choices:
         return None
     return choices[min(choices)].finish()["message"]  # type: ignore[no-any-return]
+
+
+def fold_read(frames: Sequence[Frame]) -> list[Frame]:
+    """What a generation's log keeps of ``frames``, which every client has read, once it
+    lets go of them (``proxy.generation``): what the reply folds to and the figures are
+    read from, not the bytes. Each run of plain text deltas of one field (a token chunk
+    whose adapter read its one text field: ``Frame.delta_field``) becomes one chunk of
+    their joined text, so ``assistant_message`` and ``aggregate`` fold the same message;
+    every frame figures may be read from, and every other output chunk (a role, a tool
+    call's delta, a finish), stays as it came; progress reports and keep-alives go."""
+    kept: list[Frame] = []
+    run: list[str] = []
+    run_field: str | None = None
+
+    def end_run() -> None:
+        if run_field is not None:
+            kept.append(text_chunk(run_field, "".join(run)))
+            run.clear()
+
+    for frame in frames:
+        field, text = frame.delta_field, frame.delta_text
+        if field is not None and text is not None and frame.figured is not True:
+            if field != run_field:
+                end_run()
+                run_field = field
+            run.append(text)
+            continue
+        if frame.kind in (FrameKind.PROGRESS, FrameKind.PING) and not may_carry_figures(frame):
+            continue
+        end_run()
+        run_field = None
+        kept.append(frame)
+    end_run()
+    return kept
+
+
+def text_chunk(field: str, text: str) -> Frame:
+    """An output chunk whose only content is ``text`` in choice 0's delta ``field``: the
+    folded run of many (``fold_read``). No client reads its bytes (there are none)."""
+    frame = Frame(FrameKind.CHUNK, b"", {"choices": [{"index": 0, "delta": {field: text}}]},
+                  has_output=True, finish=False)
+    frame.delta_field, frame.delta_text, frame.figured = field, text, False
+    return frame
 
 
 def _keep_last(into: dict[str, Any], key: str, value: object) -> None:

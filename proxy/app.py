@@ -41,7 +41,13 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefixpin.core.errors import PayloadTooLargeError, ProxyError, error_response, openai_error
+from prefixpin.core.errors import (
+    BodiesFullError,
+    PayloadTooLargeError,
+    ProxyError,
+    error_response,
+    openai_error,
+)
 from prefixpin.proxy.codecs import Codec
 from prefixpin.proxy.codecs import routes as codec_routes
 from prefixpin.proxy.logs import get_logger
@@ -53,7 +59,7 @@ from prefixpin.proxy.service import ProxyService
 from prefixpin.proxy.sessions import SessionStore
 from prefixpin.proxy.settings import Settings
 from prefixpin.proxy.tenants import CREDENTIAL_HEADERS
-from prefixpin.proxy.validation import read_body
+from prefixpin.proxy.validation import BodyBudget, read_body
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -66,6 +72,7 @@ class AppState:
     router: Router
     metrics: Metrics
     started: float
+    bodies: BodyBudget  # --max-bodies: the tenant listener's request bodies, all together
 
     @property
     def sessions(self) -> SessionStore:
@@ -123,14 +130,15 @@ def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | Non
                 transports: Mapping[str, httpx.AsyncBaseTransport] | None = None) -> ProxyApps:
     metrics = Metrics()
     logger = get_logger()
+    bodies = BodyBudget(settings.max_bodies_bytes, logger)
     holder = StateHolder()
     operator = _operator_app(settings, holder)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        router = await open_router(settings, metrics, logger, transports=transports,
-                                   transport=transport)
-        state = AppState(settings, router, metrics, time.time())
+        router = await open_router(settings, metrics, logger, bodies=bodies,
+                                   transports=transports, transport=transport)
+        state = AppState(settings, router, metrics, time.time(), bodies)
         holder.state = app.state.prefixpin = operator.state.prefixpin = state
         try:
             # The first probe runs before the first request is served; an engine that is
@@ -280,20 +288,24 @@ def _passthrough(holder: StateHolder, path: str | None, *,
                                  drop_headers=dropped, operator=True)
         # A tenant's: with tenants configured its key checked first (401), and never sent
         # on (the engine gets its own key: ``operator``, prefixpin's credentials); its
-        # body within --max-body, read before anything is sent on.
+        # body within --max-body, read before anything is sent on, and counted in
+        # --max-bodies until it is sent.
         configured = router.tenants.configured
         if configured:
             router.tenants.namespace_of(headers_of(request))
-        try:
-            content = await read_body(request.stream(), request.headers.get("content-length"),
-                                      state.settings.max_body_bytes)
-        except PayloadTooLargeError as exc:
-            state.metrics.limit_refusals.labels(exc.limit).inc()
-            raise
-        lane = router.lane_for_passthrough()
-        return await forward(request, lane.service.backend.adapter.http, content, path=path,
-                             drop_headers=CREDENTIAL_HEADERS if configured else dropped,
-                             operator=configured)
+        with state.bodies.reservation() as held:
+            try:
+                content = await read_body(request.stream(),
+                                          request.headers.get("content-length"),
+                                          state.settings.max_body_bytes, held)
+            except (PayloadTooLargeError, BodiesFullError) as exc:
+                state.metrics.limit_refusals.labels(exc.limit).inc()
+                raise
+            lane = router.lane_for_passthrough()
+            return await forward(request, lane.service.backend.adapter.http, content,
+                                 path=path,
+                                 drop_headers=CREDENTIAL_HEADERS if configured else dropped,
+                                 operator=configured)
 
     return handle
 

@@ -40,11 +40,16 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--first-byte": ("first_byte_ms", int, "ms until headers + first SSE comment (default 100)"),
     "--heartbeat": ("heartbeat_s", float, "seconds between SSE heartbeats (default 2)"),
     "--max-body": ("max_body_bytes", int, "largest request body in bytes (default 32 MiB)"),
+    "--max-bodies": ("max_bodies_bytes", int, "request-body bytes held at once across all "
+                     "tenant connections while bodies are read and parsed; a body that would "
+                     "pass it gets a 503 with Retry-After (default 256 MiB)"),
     "--max-json-values": ("max_json_values", int, "JSON values a request body may hold, "
                           "counted before it is parsed; past it a 413 (default 2,000,000)"),
-    "--max-reply-events": ("max_reply_events", int, "events of one engine reply kept "
-                           "while it streams; past them the stream ends with an error "
-                           "event (default 131,072)"),
+    "--max-reply-events": ("max_reply_events", int, "events of one engine reply; past "
+                           "them the stream ends with an error event (default 131,072)"),
+    "--keep-reply-events": ("keep_reply_events", int, "events of a reply kept as they came, "
+                            "for a retry to join it from the start; past them what every "
+                            "client read is folded into the reply's text (default 8192)"),
     "--max-connections": ("max_connections", int, "open connections per listener; past it "
                           "a 503 and close (default 2048)"),
     "--head-timeout": ("head_timeout_s", float, "seconds a request's line and headers may "

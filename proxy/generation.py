@@ -8,6 +8,14 @@ while it keeps up (``listen``, ``proxy.relay.LiveStream``), so a client that att
 live stream.
 When the last subscriber leaves before the end, the upstream keeps running for a grace
 period (a resend can still join it), then is cancelled, which closes its connection.
+
+The log is kept whole for its first ``keep_events`` events. Past them it lets go of what
+every client has read (``_let_go``): those frames are folded into what the reply and the
+figures need (``proxy.aggregate.fold_read``), so a long or flooding reply streams in
+memory that does not grow with it. From then on no retry can join it (a joiner reads from
+the start), and when every client has left it is cancelled at once. A reply whose read
+frames do not fold (tool-call deltas from end to end) keeps only its figures: the session
+does not commit it (``reply_kept``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from prefixpin.core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
 )
+from prefixpin.core.figures import may_carry_figures
+from prefixpin.proxy.aggregate import fold_read, text_chunk
 from prefixpin.proxy.logs import get_logger
 
 if TYPE_CHECKING:
@@ -85,12 +95,21 @@ class Generation:
 
     def __init__(self, opener: Opener, *, grace_s: float,
                  on_settled: Callable[[Generation], None] | None = None,
-                 max_frames: int = 131_072) -> None:
+                 max_frames: int = 131_072, keep_events: int = 8192) -> None:
         self._opener = opener
         self._grace_s = grace_s
-        # The log is kept whole while the answer streams: an engine that sends more than
-        # this (one that ignores max_tokens, or floods) is cut off with an error.
+        # An engine that sends more events than this (one that ignores max_tokens, or
+        # floods) is cut off with an error.
         self._max_frames = max_frames
+        self._keep_events = keep_events
+        self.whole = True  # every frame is in the log as the engine sent it: joinable
+        self.reply_kept = True  # the log still folds to the whole reply
+        self._keep_whole = False  # someone reads the log by its own index (``keep_whole``)
+        self._dropped = 0  # frames folded away
+        # The log's length at which the next frame is taken the long way (``take_frames``:
+        # the reply's bound checked, the log let go of what was read).
+        self._check_at = min(keep_events, max_frames)
+        self._readers: list[Subscriber] = []
         self._on_settled = on_settled
         self.frames: list[Frame] = []
         self.head: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
@@ -136,13 +155,22 @@ class Generation:
         self._task = asyncio.create_task(self._run(), name="prefixpin-generation")
 
     def subscribe(self) -> Subscriber:
+        if not self.whole:
+            raise RuntimeError("a log that let go of its read frames cannot be joined")
         self.reclaim_relay()  # a client joining reads every frame so far
         self._subscribers += 1
         self._subscribed = True
         if self._grace_handle is not None:
             self._grace_handle.cancel()
             self._grace_handle = None
-        return Subscriber(self)
+        subscriber = Subscriber(self)
+        self._readers.append(subscriber)
+        return subscriber
+
+    def keep_whole(self) -> None:
+        """Never let go of a frame: for a reader that indexes ``frames`` itself (the
+        replicas' tap, which may read on after its subscription ends)."""
+        self._keep_whole = True
 
     async def wait_answered(self) -> None:
         while not self.answered:
@@ -154,11 +182,13 @@ class Generation:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def _unsubscribe(self) -> None:
+    def _unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers -= 1
+        with contextlib.suppress(ValueError):
+            self._readers.remove(subscriber)
         if self._subscribers > 0 or self.answered or self._task is None:
             return  # a complete answer is read to its end: its connection is reused
-        if self._grace_s <= 0:
+        if self._grace_s <= 0 or not self.whole:  # nobody can join it any more
             self._task.cancel()
         else:
             loop = asyncio.get_running_loop()
@@ -215,15 +245,29 @@ class Generation:
         if (hold := self._hold) is not None:
             hold.reclaim()
 
-    def take_delivered(self, frames: list[Frame], subscriber: Subscriber) -> None:
-        """Token frames a taker already wrote to ``subscriber`` (the one client), into the
-        log: read by nobody else, so no change is announced."""
+    def take_delivered(self, shape: TokenShape, events: bytes, count: int,
+                       subscriber: Subscriber) -> None:
+        """``count`` token events of ``shape`` a taker already wrote to ``subscriber`` (the
+        one client), as ``events``, into the log: read by nobody else, so no change is
+        announced. Once the log folds what its clients read, they go in folded: one chunk
+        of their text (nothing, when the reply is no longer kept)."""
         log = self.frames
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
-        log.extend(frames)
+        if self._dropped + len(log) + count > self._max_frames:
+            raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
+                                        "events (--max-reply-events)")
+        if self.whole or shape.figured is not False:
+            log.extend(shape.frames(events, count))
+        else:
+            text = shape.text(events, count)  # (checked, even when not kept)
+            kept = [text_chunk(shape.field, text)] if self.reply_kept else []
+            log.extend(kept)
+            self._dropped += count - len(kept)
         subscriber.position = len(log)
-        self.delivered_events += len(frames)
+        self.delivered_events += count
+        if len(log) >= self._check_at:
+            self._let_go()
 
     def listen(self, listener: Callable[[], None]) -> None:
         """``listener()`` at every change from now on, called by the change itself (in the
@@ -288,7 +332,7 @@ class Generation:
         apply to it (a progress, the first output, an error, the end)."""
         if (frame.kind is not _CHUNK or frame.progress is not None or self.completed
                 or self.timeline.first_output is None
-                or len(self.frames) >= self._max_frames):
+                or len(self.frames) >= self._check_at):
             self.take_frames([frame])
             return
         self.frames.append(frame)
@@ -304,9 +348,11 @@ class Generation:
         if self.completed:
             return
         log, timeline = self.frames, self.timeline
-        if len(log) + len(frames) > self._max_frames:
+        if self._dropped + len(log) + len(frames) > self._max_frames:
             raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
                                         "events (--max-reply-events)")
+        if len(log) >= self._check_at:
+            self._let_go()
         for frame in frames:
             if frame.progress is not None or (frame.has_output
                                               and timeline.first_output is None):
@@ -321,6 +367,30 @@ class Generation:
         self._notify()
         if self.completed:
             self._loop.call_soon(self._settle)
+
+    def _let_go(self) -> None:
+        """Past ``keep_events``, fold the frames every client has read (``fold_read``) and
+        move each client's position back by what went. Not while the log is kept whole, a
+        client is far behind (a non-streaming one reads at the end: nothing is read
+        before) or every client left (a retry may still join in the grace period); tried
+        again after another eighth of ``keep_events``."""
+        log, readers = self.frames, self._readers
+        step = max(1, self._keep_events // 8)
+        read = min((reader.position for reader in readers), default=0)
+        if not self._keep_whole and read >= step:
+            folded = fold_read(log[:read]) if self.reply_kept else []
+            if not self.reply_kept or len(folded) > step:
+                # Not text (a flood of tool-call deltas): only what figures are read from
+                # is kept, its last frames at most.
+                folded = [frame for frame in log[:read] if may_carry_figures(frame)][-step:]
+                self.reply_kept = False
+            log[:read] = folded
+            gone = read - len(folded)
+            for reader in readers:
+                reader.position -= gone
+            self._dropped += gone
+            self.whole = False
+        self._check_at = min(len(log) + step, self._max_frames - self._dropped)
 
     def _note(self, frame: Frame) -> None:
         """The progress a frame carries, and when the first progress and output came (the
@@ -379,7 +449,7 @@ class Subscriber:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.generation._unsubscribe()
+            self.generation._unsubscribe(self)
 
 
 def _mid_stream_error(frame: Frame) -> ProxyError:

@@ -96,8 +96,9 @@ class Entry:
 
 
 def joinable(generation: Generation) -> bool:
-    """Its answer is not complete yet (a complete one is never replayed)."""
-    return not generation.answered
+    """Its answer is not complete yet (a complete one is never replayed), and its log
+    holds every frame from the first (a long reply's lets go: ``proxy.generation``)."""
+    return not generation.answered and generation.whole
 
 
 def is_retry_of(entry: Entry, intent: JoinIntent, generation: Generation | None) -> bool:

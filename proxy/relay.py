@@ -304,7 +304,7 @@ class LiveStream(StreamResponse):
         self._generation.released(hold)
         try:
             if back.count:
-                self._generation.take_delivered(hold.shape.frames(back.relayed, back.count),
+                self._generation.take_delivered(hold.shape, back.relayed, back.count,
                                                 self._subscriber)
         finally:
             if back.unsent:

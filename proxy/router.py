@@ -26,7 +26,12 @@ from starlette.responses import Response
 
 from prefixpin.adapters.base import Adapter, EngineInfo
 from prefixpin.core.cpu import crash_advice
-from prefixpin.core.errors import PayloadTooLargeError, ProxyError, UpstreamError
+from prefixpin.core.errors import (
+    BodiesFullError,
+    PayloadTooLargeError,
+    ProxyError,
+    UpstreamError,
+)
 from prefixpin.proxy.affinity import planned_body
 from prefixpin.proxy.backends import Choice, Homes, MemoryHomes, Placer, session_identity
 from prefixpin.proxy.codecs import Codec
@@ -52,7 +57,7 @@ from prefixpin.proxy.settings import EMBEDDED, Settings
 from prefixpin.proxy.shared import SharedStateError
 from prefixpin.proxy.system_turns import has_mid_system, in_place
 from prefixpin.proxy.tenants import Tenants
-from prefixpin.proxy.validation import ClientRequest, check_json_values, read_body
+from prefixpin.proxy.validation import BodyBudget, ClientRequest, read_body
 from prefixpin.proxy.watch import EngineWatch, probe_until_ready
 
 # Bodies up to this size are parsed on the loop (a long agent history is ~150 kB: a few ms);
@@ -62,7 +67,7 @@ PARSE_ON_LOOP_BYTES = 1 << 20
 
 class Router:
     def __init__(self, ctx: LaneContext, lanes: list[Lane], placer: Placer,
-                 inflight: InFlight, tenants: Tenants) -> None:
+                 inflight: InFlight, tenants: Tenants, bodies: BodyBudget) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.metrics = ctx.metrics
@@ -77,6 +82,7 @@ class Router:
         self.first_probe = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.tenants = tenants
+        self.bodies = bodies  # --max-bodies: every body's bytes while it is read and parsed
 
     # -- the request path -------------------------------------------------------------
 
@@ -112,23 +118,28 @@ class Router:
 
     async def _parse(self, request: Request, headers: Mapping[str, str],
                      codec: Codec) -> tuple[bytes, ClientRequest]:
-        """The body read and parsed once, for the whole request path."""
+        """The body read and parsed once, for the whole request path. Its bytes count in
+        ``self.bodies`` (``--max-bodies``) until this returns, whatever way it returns."""
         try:
-            raw = await read_body(request.stream(), headers.get("content-length"),
-                                  self.settings.max_body_bytes)
-            check_json_values(raw, self.settings.max_json_values)
-            # The route's own path (``scope["path"]``: what ``request.url.path`` gives for
-            # every route of the pipeline, without building the whole URL).
-            path = request.scope["path"]
-            if len(raw) <= PARSE_ON_LOOP_BYTES:
-                return raw, codec.parse(raw, path, max_messages=self.settings.max_messages)
-            # A large body's checks are Python code: in a thread, the loop keeps serving
-            # every other tenant between its bytecodes.
-            return raw, await asyncio.to_thread(codec.parse, raw, path,
-                                                max_messages=self.settings.max_messages)
+            with self.bodies.reservation() as held:
+                raw = await read_body(request.stream(), headers.get("content-length"),
+                                      self.settings.max_body_bytes, held,
+                                      max_values=self.settings.max_json_values)
+                # The route's own path (``scope["path"]``: what ``request.url.path`` gives
+                # for every route of the pipeline, without building the whole URL).
+                path = request.scope["path"]
+                if len(raw) <= PARSE_ON_LOOP_BYTES:
+                    return raw, codec.parse(raw, path,
+                                            max_messages=self.settings.max_messages)
+                # A large body's checks are Python code: in a thread, the loop keeps
+                # serving every other tenant between its bytecodes.
+                return raw, await asyncio.to_thread(codec.parse, raw, path,
+                                                    max_messages=self.settings.max_messages)
         except ProxyError as exc:
-            self.metrics.requests.labels(codec.endpoint, "client_error", codec.api).inc()
-            if isinstance(exc, PayloadTooLargeError):
+            busy = isinstance(exc, BodiesFullError)
+            self.metrics.requests.labels(codec.endpoint, "bodies_full" if busy
+                                         else "client_error", codec.api).inc()
+            if isinstance(exc, PayloadTooLargeError | BodiesFullError):
                 self.metrics.limit_refusals.labels(exc.limit).inc()
             raise
 
@@ -318,10 +329,12 @@ def headers_of(request: Request) -> dict[str, str]:
 
 
 async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logger, *,
+                      bodies: BodyBudget,
                       transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
                       transport: httpx.AsyncBaseTransport | None = None) -> Router:
     """A lane for every upstream (or the embedded engine when none is given), the shared
     stores (Redis when configured), and a task per lane that brings its policies up.
+    ``bodies``: the tenant listener's budget of request-body bytes (``--max-bodies``).
 
     ``transports``: per upstream URL, and ``transport`` for any other, for tests and
     benches that serve engines in process."""
@@ -357,7 +370,7 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
         for _, _, adapter in adapters:
             await adapter.aclose()
         raise ValueError(problem)
-    router = Router(ctx, lanes, Placer(settings, homes), inflight, tenants)
+    router = Router(ctx, lanes, Placer(settings, homes), inflight, tenants, bodies)
     router.start()
     return router
 

@@ -322,7 +322,8 @@ class ProxyService:
         generation = Generation(
             lambda g: self._open(plan, g, namespace), grace_s=self.settings.retry_grace_s,
             on_settled=lambda g: self._record(plan, client, codec, g, arrival),
-            max_frames=self.settings.max_reply_events)
+            max_frames=self.settings.max_reply_events,
+            keep_events=self.settings.keep_reply_events)
         generation.on_done(finished)
         self.generations.add(generation)
         self.metrics.inflight.set(len(self.generations))
@@ -382,7 +383,10 @@ class ProxyService:
         ttft = timeline.first_output - arrival if timeline.first_output is not None else None
         if ttft is not None:
             self.metrics.ttft.labels(client.endpoint, client.api).observe(ttft)
-        reply = codec.reply(generation.frames) if outcome == "ok" else None
+        reply = (codec.reply(generation.frames) if outcome == "ok" and generation.reply_kept
+                 else None)
+        if not generation.reply_kept:
+            plan.notes["reply_not_committed"] = "its frames past --keep-reply-events do not fold"
         self.planner.commit(plan, Outcome(outcome == "ok", figures,
                                           round(ttft * 1000, 1) if ttft is not None else None,
                                           reply))

@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     first_byte_ms: int = Field(100, ge=1, description="Headers and a first SSE comment by then")
     heartbeat_s: float = Field(2.0, gt=0, description="SSE comment interval while silent")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_bodies_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="request-body "
+                                  "bytes held at once across all connections of the tenant "
+                                  "listener (each body reserves its Content-Length, or its "
+                                  "bytes as they arrive, until it is parsed); a body that "
+                                  "would pass it gets a 503 with Retry-After")
     # The event loop (uvloop where installed, or asyncio's own) and the engine connection's
     # HTTP/1.1 (httptools' C parser, adapters/h1.py, or httpx's pure-Python one).
     loop: Literal["auto", "asyncio"] = "auto"
@@ -63,6 +68,11 @@ class Settings(BaseSettings):
     # start, the session commits it): past this many events it is cut with an error event.
     max_reply_events: int = Field(131_072, ge=1024, description="events of one engine "
                                   "reply; past them the stream ends with an error")
+    # A reply's log is kept whole (a retry joins it from the start) for this many events;
+    # past them, what every client read is folded into the reply's text (proxy.generation).
+    keep_reply_events: int = Field(8192, ge=256, description="events of a reply kept as "
+                                   "they came, for a retry to join; past them the read "
+                                   "ones are folded")
     # Each listener's connections, and the time a request's head and body may take
     # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: int = Field(2048, ge=1)

@@ -7,21 +7,32 @@ Beyond the schema, a body must be JSON that every later step can handle: no ``Na
 ``Infinity`` (not JSON; the engine request could not be encoded), no lone UTF-16 surrogate
 escapes (not encodable as UTF-8), and at most ``MAX_JSON_DEPTH`` levels of nesting (the
 digests, fingerprints and the engine request walk the body).
+
+Bodies are bounded one by one (``--max-body``) and all together (``--max-bodies``: a
+``BodyBudget`` of the bytes every connection's body being read and parsed holds at once).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from types import TracebackType
+from typing import Any, Literal, Self
 
 import orjson
 from starlette.requests import ClientDisconnect
 
-from prefixpin.core.errors import BadRequestError, ClientDisconnectedError, PayloadTooLargeError
+from prefixpin.core.errors import (
+    BadRequestError,
+    BodiesFullError,
+    ClientDisconnectedError,
+    PayloadTooLargeError,
+)
+from prefixpin.proxy.logs import log_event
 
 Endpoint = Literal["chat", "completions", "infill"]
 # The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;
@@ -93,18 +104,102 @@ class ClientRequest:
     source: dict[str, Any] | None = None
 
 
+class BodyBudget:
+    """The request-body bytes held at once across every connection of the tenant listener
+    (``--max-bodies``): each body reserves its bytes while it is read and parsed (its
+    declared Content-Length up front, else its chunks as they arrive) through a
+    ``BodyReservation``, which gives them all back when its block ends, however it ends. A
+    reservation that would pass the limit is refused (``BodiesFullError``: a 503 with
+    Retry-After) and logged. Used on the event loop only: ``reserve`` and ``release``
+    never await, so no lock."""
+
+    def __init__(self, limit: int, logger: logging.Logger, *, retry_after_s: int = 1) -> None:
+        self.limit = limit
+        self.held = 0  # bytes reserved now, by every body being read or parsed
+        self.log = logger
+        self.retry_after_s = retry_after_s
+
+    def reserve(self, size: int) -> None:
+        """``size`` more bytes held, or ``BodiesFullError`` (nothing reserved)."""
+        if size < 0:
+            raise ValueError(f"a reservation of {size} bytes")
+        if self.held + size > self.limit:
+            log_event(self.log, logging.WARNING, "request body refused", limit="bodies",
+                      max_bodies=self.limit, held=self.held, wanted=size)
+            raise BodiesFullError(
+                f"the request bodies being read at once would hold more than {self.limit} "
+                "bytes with this one (--max-bodies): try again shortly",
+                retry_after_s=self.retry_after_s)
+        self.held += size
+
+    def release(self, size: int) -> None:
+        if not 0 <= size <= self.held:
+            raise ValueError(f"{size} bytes released of {self.held} held")
+        self.held -= size
+
+    def reservation(self) -> BodyReservation:
+        return BodyReservation(self)
+
+
+class BodyReservation:
+    """One body's share of a ``BodyBudget``: grown as the body is read, given back whole
+    when its ``with`` block ends (a return, an error, a disconnect, a cancellation)."""
+
+    __slots__ = ("budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.size = 0
+
+    def grow_to(self, size: int) -> None:
+        """Hold ``size`` bytes in all (nothing more when it holds that many already)."""
+        if size > self.size:
+            self.budget.reserve(size - self.size)
+            self.size = size
+
+    def release(self) -> None:
+        size, self.size = self.size, 0
+        self.budget.release(size)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
 async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
-                    max_bytes: int) -> bytes:
-    """The request body, refused as soon as it is known to exceed ``max_bytes``."""
+                    max_bytes: int, reservation: BodyReservation | None = None, *,
+                    max_values: int | None = None) -> bytes:
+    """The request body, refused as soon as it is known to exceed ``max_bytes`` (a 413),
+    to hold more than ``max_values`` JSON values (a 413: ``separators_in``, counted
+    chunk by chunk, so a body of millions of tiny values is refused before it is all
+    read), or to pass its ``reservation``'s budget (a 503: ``BodyBudget``). The
+    reservation grows to the declared length before anything is read, else chunk by chunk
+    before each is kept; the caller releases it (its ``with`` block)."""
     declared = int(declared_length) if declared_length and declared_length.isdigit() else None
     if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
+    if declared is not None and reservation is not None:
+        reservation.grow_to(declared)
     body = bytearray()
+    values: int | None = None  # counted once the body could hold too many
     try:
         async for chunk in chunks:
-            body += chunk
-            if len(body) > max_bytes:
+            size = len(body) + len(chunk)
+            if size > max_bytes:
                 raise _too_large(max_bytes)
+            if max_values is not None and size > max_values:
+                # Each value takes a byte at least: a body no longer than the bound is
+                # within it, and most are never counted.
+                values = (separators_in(body) if values is None else values) + separators_in(
+                    chunk)
+                if values > max_values:
+                    raise _too_many_values(max_values)
+            if reservation is not None:
+                reservation.grow_to(size)
+            body += chunk
     except ClientDisconnect:  # a client gone mid-upload is its own outcome, not a crash
         raise ClientDisconnectedError("the client disconnected before sending its whole "
                                       "body") from None
@@ -400,16 +495,19 @@ class TooManyValuesError(PayloadTooLargeError):
     limit = "json_values"
 
 
-def check_json_values(raw: bytes, max_values: int) -> None:
-    """Refuse a body that may hold more than ``max_values`` JSON values, before it is
-    parsed: every value but the first follows a ``,`` or opens with ``[`` or ``{`` (a count
-    of bytes, C-fast; separators inside strings count too, so it errs towards refusing
+def separators_in(raw: bytes | bytearray) -> int:
+    """How many JSON values ``raw`` may hold, at most, past its first: every value but the
+    first follows a ``,`` or opens with ``[`` or ``{`` (a count of bytes, C-fast;
+    separators inside strings count too, so ``--max-json-values`` errs towards refusing
     only bodies far past any agent's). Parsing allocates per value, and tens of millions
-    of tiny ones (``[0,0,...]``) would take seconds and gigabytes."""
-    separators = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    if separators > max_values:
-        raise TooManyValuesError(f"request body holds more than {max_values} JSON values "
-                                 "(--max-json-values)")
+    of tiny ones (``[0,0,...]``) would take seconds and gigabytes: such a body is refused
+    by this count before it is parsed, indeed before it is all read (``read_body``)."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+
+
+def _too_many_values(max_values: int) -> TooManyValuesError:
+    return TooManyValuesError(f"request body holds more than {max_values} JSON values "
+                              "(--max-json-values)")
 
 
 def _too_large(max_bytes: int) -> PayloadTooLargeError:

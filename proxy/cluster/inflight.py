@@ -288,6 +288,7 @@ async def _tap(cluster: Cluster, generation: Generation, stream: str, watch: str
     for lack of local clients."""
     r = cluster.r
     subscriber = generation.subscribe()
+    generation.keep_whole()  # read below by its own index, after the subscription too
     held, checked = True, time.monotonic()
     position, head_sent = 0, False
     try:

@@ -5,6 +5,7 @@ wire format only)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,3 +79,27 @@ async def test_an_engine_reply_past_max_reply_events_ends_with_an_error_event() 
     assert "w100 " in answer.text.replace('"', " ")
     assert "--max-reply-events" in events[-1], events[-1]
     assert "w1400" not in answer.text
+
+
+async def test_a_reply_past_keep_reply_events_streams_whole_and_is_not_joined() -> None:
+    """Past ``--keep-reply-events`` the log lets go of what its client read
+    (``proxy.generation``): the client still gets every token in order, and a retry that
+    arrives then starts its own request instead of joining a log that lacks its start."""
+    words = [f"w{i}" for i in range(1500)]
+    engine = FakeLlamaServer(FakeLlamaConfig(reply=" ".join(words), token_delay_s=0.002))
+    stream = {**body("long"), "max_tokens": 2000, "stream": True}
+    async with running_proxy(engine, keep_reply_events=256) as (client, _):
+        first = asyncio.create_task(client.post("/v1/chat/completions", json=stream,
+                                                headers={"idempotency-key": "k"}))
+        await asyncio.sleep(1.5)  # past 256 of the 1,500 tokens, not at their end
+        retry = await client.post("/v1/chat/completions", json=stream,
+                                  headers={"idempotency-key": "k"})
+        answer = await first
+    for response in (answer, retry):
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in chunks if c["choices"])
+        assert text.split() == words
+    assert len(engine.requests) == 2  # the retry did not join

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from prefixpin.core.errors import BadRequestError, PayloadTooLargeError
-from prefixpin.proxy.validation import parse_request, read_body
+from prefixpin.proxy.validation import TooManyValuesError, parse_request, read_body
 
 
 def chat(body: object) -> bytes:
@@ -100,6 +100,23 @@ async def test_streamed_body_over_the_limit_is_refused() -> None:
     with pytest.raises(PayloadTooLargeError):
         await read_body(_chunks(b"x" * 600, b"x" * 600), None, max_bytes=1024)
     assert await read_body(_chunks(b"ab", b"cd"), None, max_bytes=1024) == b"abcd"
+
+
+@pytest.mark.anyio
+async def test_a_body_of_too_many_values_is_refused_before_it_is_all_read() -> None:
+    """Counted chunk by chunk: the chunks after the count passes are never read."""
+    read: list[int] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for index in range(100):
+            read.append(index)
+            yield b"0," * 500
+
+    with pytest.raises(TooManyValuesError):
+        await read_body(chunks(), None, max_bytes=1 << 20, max_values=2_000)
+    assert read == [0, 1, 2, 3, 4]
+    body = b'{"a": [1, 2, 3]}'
+    assert await read_body(_chunks(body), None, max_bytes=1024, max_values=4) == body
 
 
 @pytest.mark.parametrize("value", [
