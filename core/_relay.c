@@ -47,6 +47,11 @@
  * would otherwise keep one run() reading (every other stream, and the loop, waiting) and
  * its buffers growing. The rest is read next turn (epoll is level-triggered). */
 #define MAX_READ_PER_TURN (4 * READ_SIZE)
+/* The engine bytes one run() reads, all its streams together: ten engines flooding cost
+ * every other stream, and the loop, no more per turn than one. Its ready engine sockets
+ * are read from a start that moves on every run, so none waits behind the others turn
+ * after turn; those left unread are ready again next run (epoll is level-triggered). */
+#define MAX_READ_PER_RUN (2 * READ_SIZE)
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
  * far behind and handing it back is never a long stall of the loop. */
@@ -340,6 +345,7 @@ typedef struct {
     PyObject_HEAD
     int epfd;
     stream_t *streams;
+    unsigned turn; /* where the next run starts reading */
 } Relay;
 
 static double monotonic(void) {
@@ -385,24 +391,25 @@ static void take_chunks(stream_t *s) {
     if (res.stop != SCAN_MORE || s->relayed.len >= MAX_RELAYED_HELD) s->done = 1;
 }
 
-/* Reads until a short read (one recv per event, mostly), or MAX_READ_PER_TURN; the
+/* Reads until a short read (one recv per event, mostly), or ``allowance`` bytes; the
  * peer's end (EPOLLRDHUP, EPOLLHUP, EPOLLERR in ``events``) gives the stream back after
- * what is there. */
-static void read_engine(stream_t *s, uint32_t events) {
+ * what is there. Returns the bytes read. */
+static size_t read_engine(stream_t *s, uint32_t events, size_t allowance) {
     char tmp[READ_SIZE];
     int ended = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
     size_t taken = 0;
     for (;;) {
-        ssize_t r = recv(s->engine_fd, tmp, sizeof tmp, MSG_DONTWAIT);
+        size_t want = allowance - taken < sizeof tmp ? allowance - taken : sizeof tmp;
+        ssize_t r = recv(s->engine_fd, tmp, want, MSG_DONTWAIT);
         if (r > 0) {
             s->last_read = monotonic();
             if (buf_append(&s->raw, tmp, (size_t)r) < 0) {
                 s->done = 1;
-                return;
+                return taken;
             }
             taken += (size_t)r;
-            if ((size_t)r < sizeof tmp) break;
-            if (taken >= MAX_READ_PER_TURN) {
+            if ((size_t)r < want) break;
+            if (taken >= allowance) {
                 ended = 0; /* more is there: its end, if it came, is seen next turn */
                 break;
             }
@@ -419,6 +426,7 @@ static void read_engine(stream_t *s, uint32_t events) {
     }
     take_chunks(s); /* what arrived before the end is relayed as any other */
     if (ended) s->done = 1;
+    return taken;
 }
 
 /* A client that does not take a write whole: the engine is not read (the kernel's
@@ -517,6 +525,7 @@ static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Relay *self = (Relay *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->streams = NULL;
+    self->turn = 0;
     self->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (self->epfd < 0) {
         Py_DECREF(self);
@@ -607,10 +616,18 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     stream_t *ready = NULL;
-    for (int i = 0; i < n; i++) {
+    size_t budget = MAX_READ_PER_RUN;
+    int start = n > 0 ? (int)(self->turn++ % (unsigned)n) : 0;
+    for (int k = 0; k < n; k++) {
+        int i = (start + k) % n;
         endpoint_t *end = events[i].data.ptr;
         stream_t *s = end->stream;
-        if (!end->client) read_engine(s, events[i].events);
+        if (!end->client) {
+            if (budget == 0) continue; /* read next run */
+            size_t taken = read_engine(s, events[i].events,
+                                       budget < MAX_READ_PER_TURN ? budget : MAX_READ_PER_TURN);
+            budget = taken >= budget ? 0 : budget - taken;
+        }
         if (!s->queued) {
             s->queued = 1;
             s->ready = ready;
@@ -795,7 +812,8 @@ PyMODINIT_FUNC PyInit__relay(void) {
     }
     if (PyModule_AddIntConstant(m, "MAX_PENDING", MAX_PENDING) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SIZE_LINE", MAX_SIZE_LINE) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_RELAYED_HELD", MAX_RELAYED_HELD) < 0) {
+        PyModule_AddIntConstant(m, "MAX_RELAYED_HELD", MAX_RELAYED_HELD) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_READ_PER_RUN", MAX_READ_PER_RUN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

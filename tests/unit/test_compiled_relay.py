@@ -17,7 +17,12 @@ from tests.rig.parts import require_compiled_relay
 
 require_compiled_relay()
 
-from prefixpin.core._relay import MAX_RELAYED_HELD, Relay, plain_json_text  # noqa: E402
+from prefixpin.core._relay import (  # noqa: E402
+    MAX_READ_PER_RUN,
+    MAX_RELAYED_HELD,
+    Relay,
+    plain_json_text,
+)
 
 HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
 TAIL = b'"}}],"created":1796000000,"id":"chatcmpl-x","object":"chat.completion.chunk"}\n\n'
@@ -350,6 +355,52 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
         if len(received) == sent:
             break
     assert received == wire
+
+
+def test_flooding_engines_share_one_run_s_reads_in_turn() -> None:
+    """Four engines with megabytes ready: one run() reads ``MAX_READ_PER_RUN`` of them all
+    together (ten floods cost the loop no more per turn than one), starting each run
+    from the next, so every stream moves on every few runs; every byte arrives, in order."""
+    relay = Relay()
+    socks: list[socket.socket] = []
+    streams = []
+    wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(2000))  # ~0.5 MB each
+    try:
+        for _ in range(4):
+            engine, engine_peer = socket.socketpair()
+            client, client_peer = socket.socketpair()
+            socks += (engine, engine_peer, client, client_peer)
+            for sock in (engine, engine_peer, client, client_peer):
+                sock.setblocking(False)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            relay.adopt(engine.fileno(), client.fileno(), HEAD, TAIL, object())
+            assert engine_peer.send(wire) == len(wire)
+            streams.append((client_peer, bytearray()))
+        quiet_runs = [0] * 4
+        for _ in range(400):
+            assert list(relay.run()) == []
+            this_run = 0
+            for index, (peer, got) in enumerate(streams):
+                try:
+                    piece = peer.recv(4 << 20)
+                except BlockingIOError:
+                    piece = b""
+                got += piece
+                this_run += len(piece)
+                done = len(got) == len(wire)
+                quiet_runs[index] = 0 if piece or done else quiet_runs[index] + 1
+                assert quiet_runs[index] <= 4, index  # its turn comes every few runs
+            # one run's reads, chunk-framed again for the clients (a few bytes each): no
+            # more than one stream alone may read in a run (four 64 KiB reads)
+            assert this_run <= min(MAX_READ_PER_RUN, 4 * 65536) + 4096, this_run
+            if all(len(got) == len(wire) for _, got in streams):
+                break
+        assert [bytes(got) == wire for _, got in streams] == [True] * 4
+    finally:
+        relay.close()
+        for sock in socks:
+            sock.close()
 
 
 def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:

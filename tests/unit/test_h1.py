@@ -6,6 +6,7 @@ exactly the bytes each test gives it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -17,6 +18,8 @@ from prefixpin.adapters.h1 import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
+    READ_SIZE,
+    TURN_READ_BUDGET,
     H1Transport,
     ReadEnd,
     engine_transport,
@@ -599,3 +602,51 @@ def test_a_head_that_trickles_in_is_a_read_timeout(monkeypatch: pytest.MonkeyPat
     error = refused_head(trickle)
     assert isinstance(error, httpx.ReadTimeout)
     assert "response head took over" in str(error)
+
+
+def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop() -> None:
+    """Engines that write faster than the proxy reads (each read fills the buffer offered)
+    read once a turn, and together ``TURN_READ_BUDGET`` a turn: four floods cost the loop's
+    other work no more per turn than one. Once they end, a read is offered whole again."""
+    payload = b"data: " + b"x" * 250 + b"\n\n"
+    body = payload * 64
+    flood = chunk(body) * 160  # about 2.6 MB, as fast as the socket takes it
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + flood + b"0\r\n\r\n")
+        await writer.drain()
+
+    async def run() -> tuple[list[int], H1Transport]:
+        loop = asyncio.get_running_loop()
+        turn = [0]
+        stopped = False
+
+        def tick() -> None:  # once per turn of the loop
+            turn[0] += 1
+            if not stopped:
+                loop.call_soon(tick)
+
+        per_turn: collections.Counter[int] = collections.Counter()
+
+        def sink(data: bytes) -> None:
+            per_turn[turn[0]] += len(data)
+
+        transport = H1Transport()
+        async with server(handler) as (url, _), httpx.AsyncClient(
+                base_url=url, transport=transport) as http:
+            loop.call_soon(tick)
+            await asyncio.gather(*(push_all(http, sink) for _ in range(4)))
+            stopped = True
+        return [per_turn[t] for t in sorted(per_turn)], transport
+
+    reads, transport = asyncio.run(run())
+    assert sum(reads) == 4 * 160 * len(body)  # every flood read whole
+    # What came before each body was pushed (with its head, buffered), and each first read
+    # (offered whole: not known to flood before it fills its buffer) aside, the four
+    # share the budget.
+    settled = sorted(reads)[: len(reads) * 95 // 100]
+    assert TURN_READ_BUDGET < 4 * READ_SIZE  # what four whole reads a turn would be
+    assert max(settled) <= TURN_READ_BUDGET, (max(settled), len(reads))
+    assert transport.reads.floods == 0
+    assert transport.reads.size == READ_SIZE
