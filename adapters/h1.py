@@ -363,8 +363,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        size = self._offered = self._reads.size if self._flooding else READ_SIZE
-        return self._read_buffer[:size]
+        if self._flooding:
+            size = self._offered = self._reads.size
+            return self._read_buffer[:size]
+        self._offered = READ_SIZE
+        return self._read_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled = nbytes >= self._offered
