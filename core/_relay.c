@@ -51,7 +51,7 @@
  * every other stream, and the loop, no more per turn than one. Its ready engine sockets
  * are read from a start that moves on every run, so none waits behind the others turn
  * after turn; those left unread are ready again next run (epoll is level-triggered). */
-#define MAX_READ_PER_RUN (2 * READ_SIZE)
+#define MAX_READ_PER_RUN READ_SIZE
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
  * far behind and handing it back is never a long stall of the loop. */
