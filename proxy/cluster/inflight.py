@@ -256,6 +256,9 @@ class ClusterInFlight(InFlight):
                 isinstance(target, asyncio.Future) and not target.cancelled())
             await self._answer_join(reply, "refused" if planned else "abandoned")
             return
+        # Published from its first frame, and read there by its own index: kept whole from
+        # now on (before this awaits: a long reply lets go of read frames otherwise).
+        generation.keep_whole()
         await self._answer_join(reply, "ok")
         if key in self._tapped:
             return  # already publishing: the joiner replays the stream from its start
@@ -287,8 +290,7 @@ async def _tap(cluster: Cluster, generation: Generation, stream: str, watch: str
     a joining replica watches, this holds a subscription: the generation is not cancelled
     for lack of local clients."""
     r = cluster.r
-    subscriber = generation.subscribe()
-    generation.keep_whole()  # read below by its own index, after the subscription too
+    subscriber = generation.subscribe()  # (kept whole: ``_serve_join``)
     held, checked = True, time.monotonic()
     position, head_sent = 0, False
     try:
