@@ -515,11 +515,14 @@ class GapClient(Client):
 class RssSampler:
     """The proxy's RSS over a round: its peak (``VmHWM``, reset at the start through
     ``/proc/PID/clear_refs`` where the kernel allows it: None where not) and ``VmRSS``
-    every ``period_s`` (in the client's loop)."""
+    every ``period_s`` (in the client's loop); and its loop's thread's time on a core and
+    waiting for one (``/proc/PID/schedstat``: when the processes of a run want more cores
+    than the machine has, the proxy's loop waits its turn, and every stream with it)."""
 
     def __init__(self, pid: int, period_s: float = 0.2) -> None:
         self.pid, self.period_s = pid, period_s
         self.samples: list[int] = []
+        self.sched = (0.0, 0.0)
         self.task: asyncio.Task[None] | None = None
         self.peak_reset = False
 
@@ -531,6 +534,7 @@ class RssSampler:
         except OSError:
             self.peak_reset = False
         self.samples = [proc_status(self.pid)["VmRSS"]]
+        self.sched = schedstat(self.pid)
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -546,10 +550,20 @@ class RssSampler:
         status = proc_status(self.pid)
         self.samples.append(status["VmRSS"])
         peak = status["VmHWM"] if self.peak_reset else max(self.samples)
-        return {"start_mib": mib(self.samples[0]), "peak_mib": mib(peak),
+        on_core, waited = (after - before for after, before in zip(schedstat(self.pid),
+                                                                  self.sched, strict=True))
+        return {"loop_on_core_s": round(on_core, 2), "loop_waited_for_core_s": round(waited, 2),
+                "start_mib": mib(self.samples[0]), "peak_mib": mib(peak),
                 "peak_from": "VmHWM" if self.peak_reset else "samples",
                 "sampled_max_mib": mib(max(self.samples)), "end_mib": mib(self.samples[-1]),
                 "growth_mib": mib(peak - self.samples[0])}
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """The process's main thread (the proxy's loop): seconds on a core, and seconds
+    runnable but waiting for one."""
+    on_core, waiting, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+    return int(on_core) / 1e9, int(waiting) / 1e9
 
 
 def alive(pid: int) -> bool:
@@ -1021,6 +1035,10 @@ def render(result: dict[str, Any]) -> str:
               "- per proxy round (MiB: RSS before it, before its attackers start / peak "
               "(VmHWM reset then) / RSS after it): " + "; ".join(
                   f"{arm} {r['start_mib']} / {r['peak_mib']} / {r['end_mib']}"
+                  for arm in ("calm", "hostile") for r in arms[arm]["rss"]),
+              "- the proxy's loop thread per round (s on a core / s runnable but waiting "
+              "for a core, `/proc/PID/schedstat`): " + "; ".join(
+                  f"{arm} {r['loop_on_core_s']} / {r['loop_waited_for_core_s']}"
                   for arm in ("calm", "hostile") for r in arms[arm]["rss"]),
               f"- proxy log: {result['proxy_log']}", "", "Raw figures: `result.json`.", ""]
     return "\n".join(lines)
