@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,9 @@ class Router:
                                        engine_key=self.tenants.configured)
             return await self._serve(request, headers, namespace, client, codec, lanes)
         except ProxyError as exc:
+            # The frames the error came through hold what they read (a body, its parse):
+            # let go of them now, not when the collector finds the cycle they make with it.
+            traceback.clear_frames(exc.__traceback__)
             return codec.error_response(exc)
 
     def _namespace(self, headers: Mapping[str, str], codec: Codec) -> str:

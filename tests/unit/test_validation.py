@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import pytest
@@ -100,6 +101,26 @@ async def test_streamed_body_over_the_limit_is_refused() -> None:
     with pytest.raises(PayloadTooLargeError):
         await read_body(_chunks(b"x" * 600, b"x" * 600), None, max_bytes=1024)
     assert await read_body(_chunks(b"ab", b"cd"), None, max_bytes=1024) == b"abcd"
+
+
+@pytest.mark.anyio
+async def test_a_refused_body_lets_go_of_its_bytes_while_its_error_is_held() -> None:
+    """The error's traceback holds the reading frame (in a cycle only the collector
+    frees): the bytes read so far must not stay with it."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(200):
+            yield bytes(64 * 1024)
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(PayloadTooLargeError) as refused:
+            await read_body(chunks(), None, max_bytes=12 << 20)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.__traceback__ is not None
+    assert held < 1 << 20, held
 
 
 @pytest.mark.anyio
