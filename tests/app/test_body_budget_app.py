@@ -117,6 +117,14 @@ async def start(apps: ProxyApps, upload: Upload) -> asyncio.Task[None]:
     return task
 
 
+async def finish(client: ProxyClient, upload: Upload, task: asyncio.Task[None]) -> float:
+    """The held upload let go on to its end; the refusals the proxy counted then."""
+    upload.go.set()
+    async with asyncio.timeout(10):
+        await task
+    return await metric(client, "prefixpin_limit_refusals_total", limit="bodies")
+
+
 @pytest.mark.parametrize("declared", [True, False])
 async def test_a_body_that_would_pass_the_budget_is_a_503_while_the_held_one_goes_on(
         declared: bool) -> None:
@@ -130,10 +138,7 @@ async def test_a_body_that_would_pass_the_budget_is_a_503_while_the_held_one_goe
         refused = await client.post("/v1/chat/completions", content=chat(40_000),
                                     headers={"content-type": "application/json"})
         assert engine.requests == []
-        held.go.set()
-        async with asyncio.timeout(10):
-            await task
-        counted = await metric(client, "prefixpin_limit_refusals_total", limit="bodies")
+        counted = await finish(client, held, task)
         outcome = await metric(client, "prefixpin_requests_total", endpoint="chat",
                                outcome="bodies_full", api="openai")
         assert bodies_of(apps).held == 0
@@ -160,10 +165,7 @@ async def test_an_anthropic_client_is_refused_in_its_own_shape() -> None:
         task = await start(apps, held)
         refused = await client.post("/v1/messages", content=messages(40_000),
                                     headers={"content-type": "application/json"})
-        held.go.set()
-        async with asyncio.timeout(10):
-            await task
-        counted = await metric(client, "prefixpin_limit_refusals_total", limit="bodies")
+        counted = await finish(client, held, task)
         assert bodies_of(apps).held == 0
     assert refused.status_code == 503, refused.text
     assert refused.json()["type"] == "error"
@@ -186,10 +188,7 @@ async def test_a_pass_through_body_counts_in_the_budget_too() -> None:
         refused = await client.post("/tokenize", content=tokenize,
                                     headers={"content-type": "application/json"})
         assert len(engine.requests) == before
-        held.go.set()
-        async with asyncio.timeout(10):
-            await task
-        counted = await metric(client, "prefixpin_limit_refusals_total", limit="bodies")
+        counted = await finish(client, held, task)
         assert bodies_of(apps).held == 0
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "request_bodies_full"
