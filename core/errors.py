@@ -31,6 +31,8 @@ class ProxyError(Exception):
     status_code = 500
     error_type = "server_error"
     code: str | None = None
+    # A bound the request hit, as prefixpin_limit_refusals_total labels it; None: none.
+    limit: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -56,7 +58,7 @@ class BadRequestError(ClientError):
 class PayloadTooLargeError(ClientError):
     status_code = 413
     code = "payload_too_large"
-    limit = "body_size"  # the bound it hit, as prefixpin_limit_refusals_total labels it
+    limit = "body_size"
 
 
 class NotFoundError(ClientError):
@@ -89,7 +91,7 @@ class BodiesFullError(ProxyError):
     status_code = 503
     error_type = "server_busy"
     code = "request_bodies_full"
-    limit = "bodies"  # the bound it hit, as prefixpin_limit_refusals_total labels it
+    limit = "bodies"
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)

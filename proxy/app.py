@@ -42,8 +42,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixpin.core.errors import (
-    BodiesFullError,
-    PayloadTooLargeError,
     ProxyError,
     error_response,
     openai_error,
@@ -298,8 +296,9 @@ def _passthrough(holder: StateHolder, path: str | None, *,
                 content = await read_body(request.stream(),
                                           request.headers.get("content-length"),
                                           state.settings.max_body_bytes, held)
-            except (PayloadTooLargeError, BodiesFullError) as exc:
-                state.metrics.limit_refusals.labels(exc.limit).inc()
+            except ProxyError as exc:
+                if exc.limit is not None:
+                    state.metrics.limit_refusals.labels(exc.limit).inc()
                 raise
             lane = router.lane_for_passthrough()
             return await forward(request, lane.service.backend.adapter.http, content,

@@ -29,7 +29,6 @@ from prefixpin.adapters.base import Adapter, EngineInfo
 from prefixpin.core.cpu import crash_advice
 from prefixpin.core.errors import (
     BodiesFullError,
-    PayloadTooLargeError,
     ProxyError,
     UpstreamError,
 )
@@ -143,7 +142,7 @@ class Router:
             busy = isinstance(exc, BodiesFullError)
             self.metrics.requests.labels(codec.endpoint, "bodies_full" if busy
                                          else "client_error", codec.api).inc()
-            if isinstance(exc, PayloadTooLargeError | BodiesFullError):
+            if exc.limit is not None:
                 self.metrics.limit_refusals.labels(exc.limit).inc()
             raise
 
