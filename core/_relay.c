@@ -47,11 +47,15 @@
  * would otherwise keep one run() reading (every other stream, and the loop, waiting) and
  * its buffers growing. The rest is read next turn (epoll is level-triggered). */
 #define MAX_READ_PER_TURN (4 * READ_SIZE)
-/* The engine bytes one run() reads, all its streams together: ten engines flooding cost
- * every other stream, and the loop, no more per turn than one. Its ready engine sockets
- * are read from a start that moves on every run, so none waits behind the others turn
- * after turn; those left unread are ready again next run (epoll is level-triggered). */
+/* The engine bytes one run() reads, all its streams together, past what each may read
+ * anyway (MIN_READ_PER_RUN): ten engines flooding cost every other stream, and the loop,
+ * about as much per turn as one. Its ready engine sockets are read from a start that
+ * moves on every run, so the budget goes to each flood in turn; what a socket did not
+ * read is there next run (epoll is level-triggered). */
 #define MAX_READ_PER_RUN READ_SIZE
+/* What every ready engine socket may read in a run, the budget spent or not: a stream
+ * that writes a token at a time is never kept waiting behind the floods for its turn. */
+#define MIN_READ_PER_RUN 4096
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
  * far behind and handing it back is never a long stall of the loop. */
@@ -623,9 +627,9 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         endpoint_t *end = events[i].data.ptr;
         stream_t *s = end->stream;
         if (!end->client) {
-            if (budget == 0) continue; /* read next run */
-            size_t taken = read_engine(s, events[i].events,
-                                       budget < MAX_READ_PER_TURN ? budget : MAX_READ_PER_TURN);
+            size_t allowance = budget < MAX_READ_PER_TURN ? budget : MAX_READ_PER_TURN;
+            if (allowance < MIN_READ_PER_RUN) allowance = MIN_READ_PER_RUN;
+            size_t taken = read_engine(s, events[i].events, allowance);
             budget = taken >= budget ? 0 : budget - taken;
         }
         if (!s->queued) {
@@ -813,7 +817,8 @@ PyMODINIT_FUNC PyInit__relay(void) {
     if (PyModule_AddIntConstant(m, "MAX_PENDING", MAX_PENDING) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SIZE_LINE", MAX_SIZE_LINE) < 0 ||
         PyModule_AddIntConstant(m, "MAX_RELAYED_HELD", MAX_RELAYED_HELD) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_READ_PER_RUN", MAX_READ_PER_RUN) < 0) {
+        PyModule_AddIntConstant(m, "MAX_READ_PER_RUN", MAX_READ_PER_RUN) < 0 ||
+        PyModule_AddIntConstant(m, "MIN_READ_PER_RUN", MIN_READ_PER_RUN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

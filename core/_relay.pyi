@@ -9,6 +9,7 @@ STOPS: tuple[ScanStop, ...]
 MAX_PENDING: int  # bytes of a chunk, or of an event not whole yet, before "too-long"
 MAX_RELAYED_HELD: int  # relayed event bytes a hold keeps before the stream is given back
 MAX_READ_PER_RUN: int  # engine bytes one run() reads, all its streams together
+MIN_READ_PER_RUN: int  # what every ready engine socket may read in a run, budget or not
 MAX_SIZE_LINE: int  # hex digits of a chunk's size line
 
 class Relay:

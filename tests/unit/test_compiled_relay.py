@@ -20,6 +20,7 @@ require_compiled_relay()
 from prefixpin.core._relay import (  # noqa: E402
     MAX_READ_PER_RUN,
     MAX_RELAYED_HELD,
+    MIN_READ_PER_RUN,
     Relay,
     plain_json_text,
 )
@@ -357,16 +358,17 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
     assert received == wire
 
 
-def test_flooding_engines_share_one_run_s_reads_in_turn() -> None:
-    """Four engines with megabytes ready: one run() reads ``MAX_READ_PER_RUN`` of them all
-    together (ten floods cost the loop no more per turn than one), starting each run
-    from the next, so every stream moves on every few runs; every byte arrives, in order."""
+def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() -> None:
+    """Four engines with megabytes ready and one writing a token at a time: one run()
+    reads ``MAX_READ_PER_RUN`` of them all together (ten floods cost the loop about as
+    much per turn as one), plus ``MIN_READ_PER_RUN`` each, so every stream moves on every
+    run and the slow one's token goes out in the run it came; every byte in order."""
     relay = Relay()
     socks: list[socket.socket] = []
     streams = []
     wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(2000))  # ~0.5 MB each
     try:
-        for _ in range(4):
+        for _ in range(5):
             engine, engine_peer = socket.socketpair()
             client, client_peer = socket.socketpair()
             socks += (engine, engine_peer, client, client_peer)
@@ -375,28 +377,30 @@ def test_flooding_engines_share_one_run_s_reads_in_turn() -> None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             relay.adopt(engine.fileno(), client.fileno(), HEAD, TAIL, object())
+            streams.append((engine_peer, client_peer, bytearray()))
+        for engine_peer, _, _ in streams[:4]:
             assert engine_peer.send(wire) == len(wire)
-            streams.append((client_peer, bytearray()))
-        quiet_runs = [0] * 4
-        for _ in range(400):
+        slow_peer, _, slow_got = streams[4]
+        for run in range(400):
+            slow = chunk(token(f"slow {run}"))
+            slow_peer.send(slow)
             assert list(relay.run()) == []
             this_run = 0
-            for index, (peer, got) in enumerate(streams):
+            for _, peer, got in streams:
                 try:
                     piece = peer.recv(4 << 20)
                 except BlockingIOError:
                     piece = b""
                 got += piece
                 this_run += len(piece)
-                done = len(got) == len(wire)
-                quiet_runs[index] = 0 if piece or done else quiet_runs[index] + 1
-                assert quiet_runs[index] <= 4, index  # its turn comes every few runs
-            # one run's reads, chunk-framed again for the clients (a few bytes each): no
-            # more than one stream alone may read in a run (four 64 KiB reads)
-            assert this_run <= min(MAX_READ_PER_RUN, 4 * 65536) + 4096, this_run
-            if all(len(got) == len(wire) for _, got in streams):
+                assert piece or len(got) == len(wire), run  # each moves on every run
+            assert slow_got.endswith(slow)  # the slow one's token went out at once
+            # one run's reads (chunk-framed again for the clients: a few bytes each),
+            # well under what four floods would read unbounded (4 x 256 KiB)
+            assert this_run <= MAX_READ_PER_RUN + 5 * MIN_READ_PER_RUN + 8192, this_run
+            if all(len(got) == len(wire) for _, _, got in streams[:4]):
                 break
-        assert [bytes(got) == wire for _, got in streams] == [True] * 4
+        assert [bytes(got) == wire for _, _, got in streams[:4]] == [True] * 4
     finally:
         relay.close()
         for sock in socks:
