@@ -6,8 +6,10 @@
     │   ├── PayloadTooLargeError    413 body over --max-body
     │   ├── NotFoundError           404
     │   └── ClientDisconnectedError 499 the client left before its body was read
-    ├── QueueTimeoutError           503 + Retry-After: waited --queue-timeout for a slot
-    ├── BodiesFullError             503 + Retry-After: the bodies read at once hold --max-bodies
+    ├── RetryLaterError             busy, not the request at fault: + Retry-After
+    │   ├── QueueTimeoutError       503 waited --queue-timeout for a slot
+    │   ├── BodiesFullError         503 the bodies read at once hold --max-bodies
+    │   └── (proxy.placement.QueueFullError 429 the slot queue's share is full)
     ├── GenerationCancelledError    499 every client left and the grace period ran out
     └── UpstreamError               the engine is at fault or unreachable
         ├── UpstreamUnavailableError   502 connect refused / reset / engine gone
@@ -71,10 +73,9 @@ class ClientDisconnectedError(ClientError):
     code = "client_disconnected"
 
 
-class QueueTimeoutError(ProxyError):
-    status_code = 503
-    error_type = "server_busy"
-    code = "queue_timeout"
+class RetryLaterError(ProxyError):
+    """The server is busy, not the request at fault: the same request may succeed after
+    ``retry_after_s`` seconds (its ``Retry-After`` header)."""
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
@@ -84,21 +85,20 @@ class QueueTimeoutError(ProxyError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
-class BodiesFullError(ProxyError):
+class QueueTimeoutError(RetryLaterError):
+    status_code = 503
+    error_type = "server_busy"
+    code = "queue_timeout"
+
+
+class BodiesFullError(RetryLaterError):
     """The request bodies being read at once, across every connection, would hold more than
-    --max-bodies bytes with this one: the server is busy, not the request at fault."""
+    --max-bodies bytes with this one."""
 
     status_code = 503
     error_type = "server_busy"
     code = "request_bodies_full"
     limit = "bodies"
-
-    def __init__(self, message: str, *, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 class GenerationCancelledError(ProxyError):

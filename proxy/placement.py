@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 
-from prefixpin.core.errors import ProxyError, QueueTimeoutError
+from prefixpin.core.errors import QueueTimeoutError, RetryLaterError
 from prefixpin.proxy.sessions import Kind
 
 # Idle seconds that halve a resident session's worth: recency matters, size matters more.
@@ -122,19 +122,15 @@ class Eviction:
 Evictor = Callable[[Eviction], Awaitable[None]]
 
 
-class QueueFullError(ProxyError):
+class QueueFullError(RetryLaterError):
     """Too many requests already wait for a slot (of this namespace, or in all)."""
 
     status_code = 429
     error_type = "rate_limit_error"
 
     def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
-        super().__init__(message)
+        super().__init__(message, retry_after_s=retry_after_s)
         self.code = code
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 class QueueGate:
