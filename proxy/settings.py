@@ -64,8 +64,8 @@ class Settings(BaseSettings):
     engine_http: Literal["httptools", "httpx"] = "httptools"
     max_json_values: int = Field(2_000_000, ge=1000, description="JSON values (separators) "
                                  "a request body may hold; past it a 413 before parsing")
-    # An engine's streamed reply is kept whole while it streams (a retry joins it from the
-    # start, the session commits it): past this many events it is cut with an error event.
+    # An engine that sends more events than this in one reply (one that ignores max_tokens,
+    # or floods) is cut off with an error event.
     max_reply_events: int = Field(131_072, ge=1024, description="events of one engine "
                                   "reply; past them the stream ends with an error")
     # A reply's log is kept whole (a retry joins it from the start) for this many events;

@@ -200,16 +200,14 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
             if reservation is not None:
                 reservation.grow_to(size)
             body += chunk
+        return bytes(body)
     except ClientDisconnect:  # a client gone mid-upload is its own outcome, not a crash
-        body.clear()
         raise ClientDisconnectedError("the client disconnected before sending its whole "
                                       "body") from None
-    except BaseException:
-        # Refused (or cancelled): its bytes go now. The error's traceback holds this
+    finally:
+        # Read, refused or cancelled, its bytes go now: an error's traceback holds this
         # frame, in a cycle the collector would free only at its next pass.
         body.clear()
-        raise
-    return bytes(body)
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int) -> ClientRequest:
