@@ -58,8 +58,9 @@
 #define MIN_READ_PER_RUN 4096
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
- * far behind and handing it back is never a long stall of the loop. */
-#define MAX_RELAYED_HELD (1024 * 1024)
+ * far behind and handing it back is never a long stall of the loop: Python takes what
+ * was given back into the log in one step, at about a microsecond per event. */
+#define MAX_RELAYED_HELD (256 * 1024)
 
 typedef struct {
     char *p;

@@ -183,31 +183,35 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
         raise _too_large(max_bytes)
     if declared is not None and reservation is not None:
         reservation.grow_to(declared)
-    body = bytearray()
+    # The chunks as they came, joined once at the end: a buffer grown chunk by chunk is
+    # copied whole each time it outgrows its allocation, every copy a stall of the loop.
+    chunks_read: list[bytes] = []
+    size = 0
     values: int | None = None  # counted once the body could hold too many
     try:
         async for chunk in chunks:
-            size = len(body) + len(chunk)
+            size += len(chunk)
             if size > max_bytes:
                 raise _too_large(max_bytes)
             if max_values is not None and size > max_values:
                 # Each value takes a byte at least: a body no longer than the bound is
                 # within it, and most are never counted.
-                values = (separators_in(body) if values is None else values) + separators_in(
-                    chunk)
+                if values is None:
+                    values = sum(separators_in(read) for read in chunks_read)
+                values += separators_in(chunk)
                 if values > max_values:
                     raise _too_many_values(max_values)
             if reservation is not None:
                 reservation.grow_to(size)
-            body += chunk
-        return bytes(body)
+            chunks_read.append(chunk)
+        return b"".join(chunks_read)
     except ClientDisconnect:  # a client gone mid-upload is its own outcome, not a crash
         raise ClientDisconnectedError("the client disconnected before sending its whole "
                                       "body") from None
     finally:
         # Read, refused or cancelled, its bytes go now: an error's traceback holds this
         # frame, in a cycle the collector would free only at its next pass.
-        body.clear()
+        chunks_read.clear()
 
 
 def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int) -> ClientRequest:

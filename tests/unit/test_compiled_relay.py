@@ -340,15 +340,16 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     pair.adopt()
-    # ~0.95 MB: more than three turns' reads, under what a hold keeps (MAX_RELAYED_HELD)
-    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(2800))
-    assert 3 * 256 * 1024 < len(wire) < MAX_RELAYED_HELD
+    # More than three runs' reads, under what a hold keeps (MAX_RELAYED_HELD)
+    one_run = MAX_READ_PER_RUN + MIN_READ_PER_RUN
+    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(700))
+    assert 3 * one_run < len(wire) < MAX_RELAYED_HELD
     pair.engine_peer.setblocking(False)
     sent = pair.engine_peer.send(wire)
     assert sent == len(wire)  # ready at once
     assert pair.run() == []
     first = pair.received()
-    assert 0 < len(first) <= 320_000  # one turn's reads, chunk-framed again
+    assert 0 < len(first) <= one_run + 8192  # one run's reads, chunk-framed again
     received = first
     for _ in range(100):
         assert pair.run() == []
@@ -366,7 +367,9 @@ def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() 
     relay = Relay()
     socks: list[socket.socket] = []
     streams = []
-    wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(2000))  # ~0.5 MB each
+    # ~0.24 MB each: many runs' reads, under what a hold keeps (no stream is given back)
+    wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(700))
+    assert 3 * MAX_READ_PER_RUN < len(wire) < MAX_RELAYED_HELD
     try:
         for _ in range(5):
             engine, engine_peer = socket.socketpair()
