@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import httpx
@@ -40,10 +41,10 @@ HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
 # An engine that writes faster than the proxy relays must not keep the loop (every other
 # stream) in its reads. A pushed body's read that fills the buffer offered (more is
 # waiting: the engine floods) is its connection's last of the turn; it reads again in the
-# next one. The connections flooding at once split ``TURN_READ_BUDGET`` (``ReadShare``), so
-# ten floods cost the other streams no more per turn than one. A streamed token is a few
-# hundred bytes, and an engine generating hundreds of tokens a second writes a few
-# kilobytes a turn: only a flood fills even ``MIN_READ``.
+# next one. The connections flooding at once split ``EngineBounds.read_share``
+# (``ReadShare``), so ten floods cost the other streams no more per turn than one. A
+# streamed token is a few hundred bytes, and an engine generating hundreds of tokens a
+# second writes a few kilobytes a turn: only a flood fills even ``MIN_READ``.
 READ_SIZE = 16 * 1024
 TURN_READ_BUDGET = 16 * 1024
 MIN_READ = 2 * 1024
@@ -57,22 +58,34 @@ MAX_INTERIM_RESPONSES = 8
 HEAD_WITHIN_S = 30.0
 
 
-def engine_transport(limits: httpx.Limits, *,
-                     http: str = "httptools") -> httpx.AsyncBaseTransport | None:
+@dataclass(frozen=True, slots=True)
+class EngineBounds:
+    """What one engine connection may make the proxy hold or wait for (the settings
+    ``--engine-head-bytes``, ``--engine-interim-responses``, ``--engine-head-timeout``,
+    ``--engine-read-share``)."""
+
+    head_bytes: int = MAX_HEAD_BYTES
+    interim_responses: int = MAX_INTERIM_RESPONSES
+    head_within_s: float = HEAD_WITHIN_S
+    read_share: int = TURN_READ_BUDGET  # per turn of the loop, the flooding ones together
+
+
+def engine_transport(limits: httpx.Limits, *, http: str = "httptools",
+                     bounds: EngineBounds | None = None) -> httpx.AsyncBaseTransport | None:
     """The transport for an engine URL: this one when httptools is there and ``http``
     (``Settings.engine_http``) asks for it, else None (httpx's own)."""
     if httptools is None or http == "httpx":
         return None
-    return H1Transport(limits)
+    return H1Transport(limits, bounds=bounds)
 
 
 class ReadShare:
     """The read each flooding engine connection of one transport is offered per turn:
-    ``TURN_READ_BUDGET`` split between those flooding now, within [``MIN_READ``,
-    ``READ_SIZE``]."""
+    ``budget`` split between those flooding now, within [``MIN_READ``, ``READ_SIZE``]."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = TURN_READ_BUDGET) -> None:
         self._flooding: set[_Connection] = set()
+        self._budget = budget
         self.size = READ_SIZE
 
     def flooding(self, connection: _Connection) -> None:
@@ -89,15 +102,20 @@ class ReadShare:
         return len(self._flooding)
 
     def _resize(self) -> None:
-        share = TURN_READ_BUDGET // max(1, len(self._flooding))
+        if not self._flooding:
+            self.size = READ_SIZE
+            return
+        share = self._budget // len(self._flooding)
         self.size = max(MIN_READ, min(READ_SIZE, share))
 
 
 class H1Transport(httpx.AsyncBaseTransport):
     def __init__(self, limits: httpx.Limits | None = None,
-                 fallback: httpx.AsyncBaseTransport | None = None) -> None:
+                 fallback: httpx.AsyncBaseTransport | None = None, *,
+                 bounds: EngineBounds | None = None) -> None:
         limits = limits or httpx.Limits()
-        self.reads = ReadShare()
+        self.bounds = bounds = bounds or EngineBounds()
+        self.reads = ReadShare(bounds.read_share)
         self._max_idle = limits.max_keepalive_connections
         self._expiry = limits.keepalive_expiry
         self._fallback = fallback or httpx.AsyncHTTPTransport(limits=limits)
@@ -129,7 +147,8 @@ class H1Transport(httpx.AsyncBaseTransport):
         key = (url.host, url.port or 80)
         connection = self._take_idle(key)
         if connection is None:
-            connection = await _connect(key, timeouts.get("connect"), request, self.reads)
+            connection = await _connect(key, timeouts.get("connect"), request, self.reads,
+                                        self.bounds)
         try:
             connection.send(method, url.raw_path, headers, content, request)
             if connection.write_paused:
@@ -178,12 +197,13 @@ class H1Transport(httpx.AsyncBaseTransport):
 
 
 async def _connect(key: tuple[str, int], timeout_s: float | None,
-                   request: httpx.Request | None, reads: ReadShare) -> _Connection:
+                   request: httpx.Request | None, reads: ReadShare,
+                   bounds: EngineBounds) -> _Connection:
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
-            _, connection = await loop.create_connection(lambda: _Connection(loop, reads),
-                                                         *key)
+            _, connection = await loop.create_connection(
+                lambda: _Connection(loop, reads, bounds), *key)
     except TimeoutError as exc:
         raise httpx.ConnectTimeout("connect timed out", request=request) from exc
     except OSError as exc:
@@ -194,10 +214,12 @@ async def _connect(key: tuple[str, int], timeout_s: float | None,
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection to the engine, one request at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, reads: ReadShare) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, reads: ReadShare,
+                 bounds: EngineBounds | None = None) -> None:
         self._loop = loop
         self._read_buffer = memoryview(bytearray(READ_SIZE))
         self._reads = reads
+        self._bounds = bounds or EngineBounds()
         self._offered = READ_SIZE  # the last read's buffer size
         self._filled = False  # the last read filled it
         self._flooding = False  # counted in ``reads``
@@ -282,9 +304,10 @@ class _Connection(asyncio.BufferedProtocol):
         while not self._head_done:
             if self.error is not None:
                 raise self.error
-            if self._head_started and self._loop.time() - self._head_started > HEAD_WITHIN_S:
+            within_s = self._bounds.head_within_s
+            if self._head_started and self._loop.time() - self._head_started > within_s:
                 slow = httpx.ReadTimeout(f"the engine's response head took over "
-                                         f"{HEAD_WITHIN_S:g} s from its first byte",
+                                         f"{within_s:g} s from its first byte",
                                          request=self._request_or_none())
                 self._fail(slow)
                 raise slow
@@ -382,9 +405,9 @@ class _Connection(asyncio.BufferedProtocol):
             if not self._head_started:
                 self._head_started = self._loop.time()
             self._head_bytes += len(data)  # a body read with the head's end counts: one read
-            if self._head_bytes > MAX_HEAD_BYTES:
+            if self._head_bytes > self._bounds.head_bytes:
                 self._fail(httpx.RemoteProtocolError(
-                    f"the engine's response head is over {MAX_HEAD_BYTES} bytes",
+                    f"the engine's response head is over {self._bounds.head_bytes} bytes",
                     request=self._request_or_none()))
                 self._wake()
                 return
@@ -487,17 +510,18 @@ class _Connection(asyncio.BufferedProtocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.complete:
-            return
+        if self.complete or self.error is not None:  # (refused: a head that follows in the
+            return  # same read is not the answer)
         status = self._parser.get_status_code()
         if 100 <= status < 200:  # 100 Continue and the like: the answer follows
             self._informational = True
             self.headers = []
             self.reason = b""
             self._interim += 1
-            if self._interim > MAX_INTERIM_RESPONSES:
+            if self._interim > self._bounds.interim_responses:
                 self._fail(httpx.RemoteProtocolError(
-                    f"the engine sent over {MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                    f"the engine sent over {self._bounds.interim_responses} interim (1xx) "
+                    "responses",
                     request=self._request_or_none()))
             return
         self.status = status

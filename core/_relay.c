@@ -51,7 +51,8 @@
  * anyway (MIN_READ_PER_RUN): ten engines flooding cost every other stream, and the loop,
  * about as much per turn as one. Its ready engine sockets are read from a start that
  * moves on every run, so the budget goes to each flood in turn; what a socket did not
- * read is there next run (epoll is level-triggered). */
+ * read is there next run (epoll is level-triggered). The default of the constructor's
+ * read_per_run (a relay's own budget, never below MIN_READ_PER_RUN). */
 #define MAX_READ_PER_RUN READ_SIZE
 /* What every ready engine socket may read in a run, the budget spent or not: a stream
  * that writes a token at a time is never kept waiting behind the floods for its turn. */
@@ -59,7 +60,8 @@
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
  * far behind and handing it back is never a long stall of the loop: Python takes what
- * was given back into the log in one step, at about a microsecond per event. */
+ * was given back into the log in one step, at about a microsecond per event. The
+ * default of the constructor's hold_bytes (a relay's own bound, at least a byte). */
 #define MAX_RELAYED_HELD (256 * 1024)
 
 typedef struct {
@@ -339,6 +341,7 @@ typedef struct stream {
     buf_t out;     /* chunk-framed events for the client, not written yet */
     buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
     Py_ssize_t count;
+    size_t held; /* relayed bytes kept before the stream is given back (its relay's hold_bytes) */
     double last_read, last_write;
     endpoint_t engine_end, client_end;
     int done;
@@ -350,7 +353,9 @@ typedef struct {
     PyObject_HEAD
     int epfd;
     stream_t *streams;
-    unsigned turn; /* where the next run starts reading */
+    unsigned turn;       /* where the next run starts reading */
+    size_t read_per_run; /* engine bytes a run reads past each socket's floor */
+    size_t held;         /* relayed bytes a stream's hold keeps */
 } Relay;
 
 static double monotonic(void) {
@@ -393,7 +398,7 @@ static void take_chunks(stream_t *s) {
     scan_t res = scan_body(&shape, &s->sse, s->raw.p, s->raw.len, frame_event, s);
     s->count += (Py_ssize_t)res.events;
     buf_consume(&s->raw, res.consumed);
-    if (res.stop != SCAN_MORE || s->relayed.len >= MAX_RELAYED_HELD) s->done = 1;
+    if (res.stop != SCAN_MORE || s->relayed.len >= s->held) s->done = 1;
 }
 
 /* Reads until a short read (one recv per event, mostly), or ``allowance`` bytes; the
@@ -523,14 +528,25 @@ static void release(Relay *relay, stream_t *s) {
 }
 
 static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "Relay() takes no arguments");
+    static char *kwlist[] = {"read_per_run", "hold_bytes", NULL};
+    Py_ssize_t read_per_run = MAX_READ_PER_RUN, held = MAX_RELAYED_HELD;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$nn:Relay", kwlist, &read_per_run, &held))
+        return NULL;
+    if (read_per_run < MIN_READ_PER_RUN) {
+        PyErr_Format(PyExc_ValueError, "read_per_run must be at least %d (MIN_READ_PER_RUN)",
+                     MIN_READ_PER_RUN);
+        return NULL;
+    }
+    if (held < 1) {
+        PyErr_SetString(PyExc_ValueError, "hold_bytes must be at least 1");
         return NULL;
     }
     Relay *self = (Relay *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->streams = NULL;
     self->turn = 0;
+    self->read_per_run = (size_t)read_per_run;
+    self->held = (size_t)held;
     self->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (self->epfd < 0) {
         Py_DECREF(self);
@@ -590,6 +606,7 @@ static PyObject *Relay_adopt(Relay *self, PyObject *args) {
     memcpy(s->tail, tail, (size_t)tail_len);
     s->head_len = (size_t)head_len;
     s->tail_len = (size_t)tail_len;
+    s->held = self->held;
     s->last_read = s->last_write = monotonic();
     s->engine_fd = fcntl(engine_fd, F_DUPFD_CLOEXEC, 0);
     s->client_fd = fcntl(client_fd, F_DUPFD_CLOEXEC, 0);
@@ -621,7 +638,7 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     stream_t *ready = NULL;
-    size_t budget = MAX_READ_PER_RUN;
+    size_t budget = self->read_per_run;
     int start = n > 0 ? (int)(self->turn++ % (unsigned)n) : 0;
     for (int k = 0; k < n; k++) {
         int i = (start + k) % n;
@@ -769,7 +786,8 @@ static PyTypeObject RelayType = {
     .tp_name = "prefixpin.core._relay.Relay",
     .tp_basicsize = sizeof(Relay),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Token events relayed between sockets in C (core/compiled_relay.py).",
+    .tp_doc = "Relay(*, read_per_run=MAX_READ_PER_RUN, hold_bytes=MAX_RELAYED_HELD): token events\n"
+              "relayed between sockets in C (core/compiled_relay.py).",
     .tp_new = Relay_new,
     .tp_dealloc = (destructor)Relay_dealloc,
     .tp_methods = Relay_methods,

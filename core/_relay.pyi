@@ -7,13 +7,16 @@ ScanStop: TypeAlias = Literal["more", "event", "cr", "size", "framing", "end", "
 
 STOPS: tuple[ScanStop, ...]
 MAX_PENDING: int  # bytes of a chunk, or of an event not whole yet, before "too-long"
-MAX_RELAYED_HELD: int  # relayed event bytes a hold keeps before the stream is given back
-MAX_READ_PER_RUN: int  # engine bytes one run() reads, all its streams together
+MAX_RELAYED_HELD: int  # Relay(hold_bytes=)'s default: relayed event bytes a hold keeps
+MAX_READ_PER_RUN: int  # Relay(read_per_run=)'s default: engine bytes one run() reads
 MIN_READ_PER_RUN: int  # what every ready engine socket may read in a run, budget or not
 MAX_SIZE_LINE: int  # hex digits of a chunk's size line
 
 class Relay:
-    def __init__(self) -> None: ...
+    # read_per_run: engine bytes one run() reads past each socket's floor (at least
+    # MIN_READ_PER_RUN); hold_bytes: relayed event bytes a hold keeps before the stream is given
+    # back (at least 1). Below either, ValueError.
+    def __init__(self, *, read_per_run: int = ..., hold_bytes: int = ...) -> None: ...
     def fileno(self) -> int: ...
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
               hold: Any, /) -> None: ...

@@ -11,10 +11,11 @@ back. It is an accelerator behind the Python relay, which stays the reference pa
 it saves, measured side by side: docs/benchmarks.md).
 
 It gives a stream back at the first event that is not a token of its shape (the finish,
-the usage, an error), at the body's end, an engine end of file or error, and a failed
-client write (a full one holds the stream back: the engine is not read until the client's
-socket drains); Python can reclaim a stream at any moment (a second client joins, a
-heartbeat or read timer fires, the client leaves). What comes back is exact
+the usage, an error), at the body's end, an engine end of file or error, a failed client
+write (a full one holds the stream back: the engine is not read until the client's socket
+drains), and once it holds ``hold_bytes`` bytes of relayed events (``MAX_RELAYED_HELD`` unless
+the relay is built with another); Python can reclaim a stream at any moment (a second
+client joins, a heartbeat or read timer fires, the client leaves). What comes back is exact
 (``GivenBack``): the events relayed (the generation's log gets them then), the engine
 bytes not relayed (its HTTP parser reads on from them) and the client bytes not written
 (its transport writes them before anything newer).
@@ -30,9 +31,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 try:
-    from prefixpin.core._relay import Relay
+    from prefixpin.core._relay import MAX_READ_PER_RUN, MAX_RELAYED_HELD, Relay
 except ImportError:  # not built here (no compiler, not Linux): the Python path does it all
     Relay = None  # type: ignore[assignment,misc,unused-ignore]
+    # The extension's defaults (core/_relay.c), for the signature alone: no relay is built.
+    MAX_READ_PER_RUN = 64 * 1024
+    MAX_RELAYED_HELD = 256 * 1024
 
 
 def available() -> bool:
@@ -65,13 +69,20 @@ class Hold(Protocol):
 
 class CompiledRelay:
     """One loop's compiled relay. ``adopt`` a stream; what it gives back reaches its ``Hold``, from
-    the loop's callback (``run``) or from ``reclaim`` itself."""
+    the loop's callback (``run``) or from ``reclaim`` itself.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    ``read_per_run``: the engine bytes one turn reads, all its streams together, past what
+    each ready engine socket may read anyway (``MIN_READ_PER_RUN``, which is also its
+    least); ``hold_bytes``: the relayed event bytes a stream's hold keeps before the stream
+    is given back (at least 1). ValueError below either."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *,
+                 read_per_run: int = MAX_READ_PER_RUN, hold_bytes: int = MAX_RELAYED_HELD) -> None:
         if Relay is None:
             raise RuntimeError("the compiled relay's extension (core._relay) is not built")
         self.loop = loop
-        self._core = Relay()
+        self._core = Relay(read_per_run=read_per_run, hold_bytes=hold_bytes)
+        self.read_per_run, self.hold_bytes = read_per_run, hold_bytes
         self._fd = self._core.fileno()
         loop.add_reader(self._fd, self.run)
         self.adopted = 0  # streams adopted so far (a stream adopted again counts again)

@@ -56,6 +56,21 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                        "take from their first byte; then a 408 and close (default 30)"),
     "--body-timeout": ("body_timeout_s", float, "seconds a request's body may take after "
                        "its head; then a 408 and close (default 300)"),
+    "--engine-head-bytes": ("engine_head_bytes", int, "bytes of an engine's response head "
+                            "(status line and headers); past them the request fails "
+                            "(default 1 MiB)"),
+    "--engine-interim-responses": ("engine_interim_responses", int, "interim (1xx) "
+                                   "responses an engine may send before its answer "
+                                   "(default 8)"),
+    "--engine-head-timeout": ("engine_head_timeout_s", float, "seconds an engine's response "
+                              "head may take from its first byte (default 30)"),
+    "--engine-read-share": ("engine_read_share", int, "engine bytes read per turn of the "
+                            "loop by the connections that flood at once, split between "
+                            "them, at least 2 KiB each (default 16 KiB)"),
+    "--compiled-read-share": ("compiled_read_share", int, "the same, per run of the "
+                              "compiled relay, at least 4 KiB each (default 64 KiB)"),
+    "--compiled-hold": ("compiled_hold_bytes", int, "relayed bytes the compiled relay holds "
+                        "for a stream before handing them to its log (default 256 KiB)"),
     "--retry-grace": ("retry_grace_s", float, "seconds a generation outlives its clients "
                       "so a resend can join it (default 30)"),
     "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),

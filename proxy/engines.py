@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from prefixpin.adapters.base import Adapter, EngineInfo
-from prefixpin.adapters.h1 import engine_transport
+from prefixpin.adapters.h1 import EngineBounds, engine_transport
 from prefixpin.adapters.http import EngineClient, EngineKey
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
@@ -116,9 +116,17 @@ def http_client(settings: Settings, url: str,
     if transport is None:
         # httptools' parser under httpx for plain-HTTP engines (adapters.h1): an engine's
         # streamed answer is read at a fraction of h11's cost per event.
-        transport = engine_transport(limits, http=settings.engine_http)
+        transport = engine_transport(limits, http=settings.engine_http,
+                                     bounds=engine_bounds(settings))
     return EngineClient(base_url=url, transport=transport, auth=auth,
                         timeout=settings.upstream_timeout(), limits=limits)
+
+
+def engine_bounds(settings: Settings) -> EngineBounds:
+    return EngineBounds(head_bytes=settings.engine_head_bytes,
+                        interim_responses=settings.engine_interim_responses,
+                        head_within_s=settings.engine_head_timeout_s,
+                        read_share=settings.engine_read_share)
 
 
 async def open_url_adapter(settings: Settings, http: httpx.AsyncClient,

@@ -44,6 +44,10 @@ class ConnectionLimits:
     max_connections: int = 2048  # per listener; each is a descriptor and a protocol object
     head_timeout_s: float = 30.0  # request line and headers, from the first byte
     body_timeout_s: float = 300.0  # the whole body, from the end of the head
+    # The compiled relay's (core.compiled_relay): engine bytes one run reads, the flooding
+    # streams together, and the relayed bytes it holds for a stream before giving it back.
+    relay_read_share: int = 64 * 1024
+    relay_hold_bytes: int = 256 * 1024
     # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size):
     # the metrics'.
     refused: Callable[[str], None] | None = None
@@ -190,7 +194,9 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             cls = type(self)
             current = cls.compiled_relay
             if current is None or current.loop is not self.loop:
-                current = cls.compiled_relay = relay_core.CompiledRelay(self.loop)
+                current = cls.compiled_relay = relay_core.CompiledRelay(
+                    self.loop, read_per_run=limits.relay_read_share,
+                    hold_bytes=limits.relay_hold_bytes)
             return current
 
         def on_message_complete(self) -> None:

@@ -56,9 +56,11 @@ def serve(settings: Settings) -> int:
     apps = create_apps(settings)
     admin_host, admin_port = settings.admin_address()
     metrics = apps.metrics
-    limits = ConnectionLimits(settings.max_connections, settings.head_timeout_s,
-                              settings.body_timeout_s,
-                              refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
+    limits = ConnectionLimits(
+        max_connections=settings.max_connections, head_timeout_s=settings.head_timeout_s,
+        body_timeout_s=settings.body_timeout_s, relay_read_share=settings.compiled_read_share,
+        relay_hold_bytes=settings.compiled_hold_bytes,
+        refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
     operator = _Follower(uvicorn.Config(

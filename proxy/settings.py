@@ -73,6 +73,17 @@ class Settings(BaseSettings):
     keep_reply_events: int = Field(8192, ge=256, description="events of a reply kept as "
                                    "they came, for a retry to join; past them the read "
                                    "ones are folded")
+    # What an engine connection may make the proxy hold or wait for (adapters.h1: past
+    # them the request fails with a 502, or a 504 for the head's time); the engine bytes
+    # read per turn of the loop by the connections that flood at once, in the Python relay
+    # and in the compiled one (per run); the relayed bytes the compiled relay holds for a
+    # stream before Python takes them into its log.
+    engine_head_bytes: int = Field(1 << 20, ge=1024)
+    engine_interim_responses: int = Field(8, ge=0)
+    engine_head_timeout_s: float = Field(30.0, gt=0)
+    engine_read_share: int = Field(16 * 1024, ge=2048)
+    compiled_read_share: int = Field(64 * 1024, ge=4096)
+    compiled_hold_bytes: int = Field(256 * 1024, ge=4096)
     # Each listener's connections, and the time a request's head and body may take
     # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: int = Field(2048, ge=1)

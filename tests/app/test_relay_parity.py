@@ -29,7 +29,7 @@ import pytest
 
 from prefixpin.core import compiled_relay
 from prefixpin.proxy.app import ProxyApps, create_apps
-from prefixpin.proxy.http_limits import compiled_relay_of, http_options
+from prefixpin.proxy.http_limits import ConnectionLimits, compiled_relay_of, http_options
 from prefixpin.proxy.relay import LiveStream
 from prefixpin.proxy.settings import Settings
 from tests.fakes import event_shapes
@@ -58,19 +58,19 @@ class Served:
         self.url = url
         self.engine = engine
         self.shaped = shaped  # the engine's app as served: its answers as sent
-        self._http = http
+        self.http = http
         self.apps = apps
 
     @property
     def relayed(self) -> int:
         """Token events the compiled relay wrote and gave back so far (0: none ran)."""
-        relay = compiled_relay_of(self._http)
+        relay = compiled_relay_of(self.http)
         return 0 if relay is None else relay.relayed
 
     @property
     def held(self) -> int:
         """Streams the compiled relay holds now (read across threads: a moment's view)."""
-        relay = compiled_relay_of(self._http)
+        relay = compiled_relay_of(self.http)
         return 0 if relay is None else relay.held
 
     def last_replies(self) -> list[Any]:
@@ -89,7 +89,7 @@ class Served:
 @contextmanager
 def served(relay: str, config: FakeLlamaConfig | None = None, *,
            rewrite: Rewrite | None = None, min_relayed: int = WORDS // 2,
-           **settings: Any) -> Iterator[Served]:
+           limits: ConnectionLimits | None = None, **settings: Any) -> Iterator[Served]:
     """The proxy on ``relay`` in front of a fake engine (``config``: its reply is ``REPLY``,
     a token every 2 ms, unless given), whose answers pass through ``rewrite``. On a clean
     exit (its servers stopped): with ``compiled`` the compiled relay wrote at least
@@ -101,7 +101,7 @@ def served(relay: str, config: FakeLlamaConfig | None = None, *,
                     "'.[embedded,test]'`); the parity suite never skips it", pytrace=False)
     engine = FakeLlamaServer(config or FakeLlamaConfig(reply=REPLY, token_delay_s=0.002))
     shaped = Reshaped(engine.app(), rewrite)
-    options = http_options(compiled_relay=compiled)
+    options = http_options(compiled_relay=compiled, limits=limits)
     with serve_in_thread(shaped) as engine_url:
         apps = create_apps(Settings(upstream=engine_url, **settings))
         with serve_proxy(apps, **options) as url:
@@ -395,6 +395,24 @@ def test_the_answer_is_committed_whole_so_the_next_turn_continues_the_session(
     assert requests[0]["id_slot"] == requests[1]["id_slot"], slots
     assert (second_usage["prompt_tokens_details"]["cached_tokens"]
             >= first_usage["prompt_tokens"]), (first_usage, second_usage)
+
+
+def test_the_listeners_relay_budgets_reach_the_compiled_relay() -> None:
+    """``--compiled-read-share`` and ``--compiled-hold`` (``ConnectionLimits``): with a
+    hold of 4 KiB a reply of about 14 KiB is given back to Python and taken again several
+    times (once with the default), and it still arrives, and is committed, whole."""
+    limits = ConnectionLimits(relay_read_share=8192, relay_hold_bytes=4096)
+    with served("compiled", min_relayed=WORDS - 5, limits=limits) as proxy, \
+            httpx.Client(timeout=30) as client:
+        response = client.post(proxy.url + CHAT, json=chat("hello there"))
+        data = assert_the_engines_events(proxy, response.content)
+        (committed,) = proxy.last_replies()
+        running = compiled_relay_of(proxy.http)
+        assert running is not None
+        assert (running.read_per_run, running.hold_bytes) == (8192, 4096)
+        assert running.adopted >= 3, running.adopted
+    assert text_of(data).split() == REPLY.split()
+    assert committed["content"] == text_of(data)
 
 
 def test_metrics_have_histograms_with_values_after_a_stream(relay: str) -> None:

@@ -1,4 +1,5 @@
-"""The per-namespace bounds are flags too, and each reaches its setting."""
+"""The per-namespace bounds and the engine connections' bounds are flags too, and each
+reaches its setting and what enforces it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ BOUNDS = {
     "--max-queued-per-namespace": ("max_queued_per_namespace", 3),
     "--max-queued-per-lane": ("max_queued_per_lane", 9),
     "--max-shared-sessions-per-namespace": ("max_shared_sessions_per_namespace", 11),
+    "--engine-head-bytes": ("engine_head_bytes", 4096),
+    "--engine-interim-responses": ("engine_interim_responses", 2),
+    "--engine-head-timeout": ("engine_head_timeout_s", 1.5),
+    "--engine-read-share": ("engine_read_share", 8192),
+    "--compiled-read-share": ("compiled_read_share", 32768),
+    "--compiled-hold": ("compiled_hold_bytes", 65536),
 }
 
 
@@ -52,3 +59,15 @@ def test_a_bound_below_its_minimum_is_exit_2(capsys: pytest.CaptureFixture[str])
 
     assert main(["serve", "--upstream", "http://z:1", "--max-queued-per-lane", "0"]) == 2
     assert "max_queued_per_lane" in capsys.readouterr().err
+
+
+def test_the_engine_bounds_reach_the_engine_connections() -> None:
+    from prefixpin.adapters.h1 import EngineBounds
+    from prefixpin.proxy.engines import engine_bounds
+
+    argv = ["serve", "--upstream", "http://z:1"]
+    for flag, (_, value) in BOUNDS.items():
+        argv += [flag, str(value)]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert engine_bounds(settings) == EngineBounds(
+        head_bytes=4096, interim_responses=2, head_within_s=1.5, read_share=8192)

@@ -4,6 +4,7 @@ two together are always exactly what the engine sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from prefixpin.core._relay import (  # noqa: E402
     Relay,
     plain_json_text,
 )
+from prefixpin.core.compiled_relay import CompiledRelay  # noqa: E402
 
 HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
 TAIL = b'"}}],"created":1796000000,"id":"chatcmpl-x","object":"chat.completion.chunk"}\n\n'
@@ -359,17 +361,14 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
     assert received == wire
 
 
-def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() -> None:
-    """Four engines with megabytes ready and one writing a token at a time: one run()
-    reads ``MAX_READ_PER_RUN`` of them all together (ten floods cost the loop about as
-    much per turn as one), plus ``MIN_READ_PER_RUN`` each, so every stream moves on every
-    run and the slow one's token goes out in the run it came; every byte in order."""
-    relay = Relay()
+def flood(relay: Relay, budget: int) -> None:
+    """Four floods and a slow stream through ``relay``, whose run reads ``budget`` past the
+    floors: what each run reads, and that every byte goes out in order."""
     socks: list[socket.socket] = []
     streams = []
     # ~0.24 MB each: many runs' reads, under what a hold keeps (no stream is given back)
     wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(700))
-    assert 3 * MAX_READ_PER_RUN < len(wire) < MAX_RELAYED_HELD
+    assert 3 * budget < len(wire) < MAX_RELAYED_HELD
     try:
         for _ in range(5):
             engine, engine_peer = socket.socketpair()
@@ -400,7 +399,7 @@ def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() 
             assert slow_got.endswith(slow)  # the slow one's token went out at once
             # one run's reads (chunk-framed again for the clients: a few bytes each),
             # well under what four floods would read unbounded (4 x 256 KiB)
-            assert this_run <= MAX_READ_PER_RUN + 5 * MIN_READ_PER_RUN + 8192, this_run
+            assert this_run <= budget + 5 * MIN_READ_PER_RUN + 8192, this_run
             if all(len(got) == len(wire) for _, _, got in streams[:4]):
                 break
         assert [bytes(got) == wire for _, _, got in streams[:4]] == [True] * 4
@@ -408,6 +407,23 @@ def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() 
         relay.close()
         for sock in socks:
             sock.close()
+
+
+def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() -> None:
+    """Four engines with megabytes ready and one writing a token at a time: one run()
+    reads ``MAX_READ_PER_RUN`` of them all together (ten floods cost the loop about as
+    much per turn as one), plus ``MIN_READ_PER_RUN`` each, so every stream moves on every
+    run and the slow one's token goes out in the run it came; every byte in order."""
+    flood(Relay(), MAX_READ_PER_RUN)
+
+
+def test_a_relay_built_with_a_smaller_read_per_run_reads_that_much_in_a_run() -> None:
+    """``read_per_run`` is the relay's own budget: a quarter of the default bounds what one
+    run reads of four floods (the floors on top, as ever), and every stream still moves on
+    every run."""
+    budget = 16 * 1024
+    assert budget + 5 * MIN_READ_PER_RUN + 8192 < MAX_READ_PER_RUN  # the default reads more
+    flood(Relay(read_per_run=budget), budget)
 
 
 def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
@@ -445,3 +461,60 @@ def test_a_hold_gives_the_stream_back_once_it_keeps_its_bound_of_relayed_events(
     assert received == wire[:len(received)]  # the events relayed, framed as the engine did
     assert received.count(b"\r\ndata: ") == count
     assert engine == wire[len(received):len(received) + len(engine)]  # then what it read on
+
+
+def test_a_relay_built_with_a_smaller_held_gives_the_stream_back_at_that_bound(
+        pair: Pair) -> None:
+    """``held`` is the relay's own bound on what a hold keeps: the stream is given back
+    once its relayed events reach it, not before, and not far past it (what one run reads
+    of the engine at most), every byte accounted for."""
+    held = 32 * 1024
+    pair.relay.close()
+    pair.relay = Relay(hold_bytes=held)
+    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.adopt()
+    event = chunk(token("v" * 200))
+    wire = event * 2000  # ~0.7 MB: more than the default bound, ready at once
+    assert len(wire) > MAX_RELAYED_HELD + MAX_READ_PER_RUN
+    pair.engine_peer.setblocking(False)
+    assert pair.engine_peer.send(wire) == len(wire)
+    backs = []
+    for _ in range(100):
+        backs += pair.run()
+        if backs:
+            break
+    ((_, relayed, count, engine, unsent, _, _),) = backs
+    # Past the bound by at most one run's reads (and the part of a chunk read before it).
+    assert held <= len(relayed) < held + MAX_READ_PER_RUN + len(event)
+    assert relayed == token("v" * 200) * count
+    assert unsent == b""
+    received = pair.received()
+    assert received == event * count  # the events relayed, framed as the engine did
+    assert engine == wire[len(received):len(received) + len(engine)]  # then what it read on
+    rest = b""
+    while len(received + engine + rest) < len(wire):
+        piece = pair.engine.recv(4 << 20)  # what it did not read is still the engine's
+        assert piece
+        rest += piece
+    assert received + engine + rest == wire
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"read_per_run": MIN_READ_PER_RUN - 1},
+    {"read_per_run": -1},
+    {"hold_bytes": 0},
+    {"hold_bytes": -1},
+])
+def test_a_relay_refuses_a_read_per_run_below_the_floor_and_a_hold_below_a_byte(
+        kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Relay(**kwargs)
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            CompiledRelay(loop, **kwargs)
+    finally:
+        loop.close()
+    Relay(read_per_run=MIN_READ_PER_RUN, hold_bytes=1).close()  # the least of each is a relay

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from prefixpin.adapters import h1
 from prefixpin.adapters.h1 import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
     READ_SIZE,
     TURN_READ_BUDGET,
+    EngineBounds,
     H1Transport,
     ReadEnd,
     engine_transport,
@@ -68,8 +68,8 @@ async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
         await srv.wait_closed()
 
 
-def client(url: str, **timeouts: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, transport=H1Transport(),
+def client(url: str, bounds: EngineBounds | None = None, **timeouts: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, transport=H1Transport(bounds=bounds),
                              timeout=httpx.Timeout(timeouts.get("read", 5.0), **timeouts))
 
 
@@ -545,20 +545,29 @@ def test_open_retries_a_stale_keep_alive_connection_once() -> None:
     asyncio.run(run())
 
 
-def refused_head(head_bytes: Callable[[asyncio.StreamWriter], Awaitable[None]]
-                 ) -> BaseException:
-    """What reading a response whose head ``head_bytes`` writes raises."""
+def head_answer(head_bytes: Callable[[asyncio.StreamWriter], Awaitable[None]],
+                bounds: EngineBounds | None = None) -> BaseException | httpx.Response:
+    """What reading a response whose head ``head_bytes`` writes gives: the error raised,
+    or the response."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         await head_bytes(writer)
 
-    async def run() -> BaseException:
-        async with server(handler) as (url, _), client(url, read=2.0) as http:
-            with pytest.raises(httpx.HTTPError) as caught:
-                await http.get("/v1/models")
-        return caught.value
+    async def run() -> BaseException | httpx.Response:
+        async with server(handler) as (url, _), client(url, bounds, read=2.0) as http:
+            try:
+                return await http.get("/v1/models")
+            except httpx.HTTPError as exc:
+                return exc
 
     return asyncio.run(run())
+
+
+def refused_head(head_bytes: Callable[[asyncio.StreamWriter], Awaitable[None]],
+                 bounds: EngineBounds | None = None) -> BaseException:
+    answer = head_answer(head_bytes, bounds)
+    assert isinstance(answer, BaseException), answer
+    return answer
 
 
 def test_an_endless_header_value_is_refused_at_the_head_bound() -> None:
@@ -587,11 +596,9 @@ def test_endless_interim_responses_are_refused() -> None:
     assert "interim" in str(error)
 
 
-def test_a_head_that_trickles_in_is_a_read_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_head_that_trickles_in_is_a_read_timeout() -> None:
     """A byte every 0.1 s never lets the read timeout (2 s) fire; the head's own deadline
-    does."""
-    monkeypatch.setattr(h1, "HEAD_WITHIN_S", 0.5)
-
+    (``--engine-head-timeout``) does."""
     async def trickle(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nx-slow: ")
         for _ in range(100):
@@ -599,14 +606,33 @@ def test_a_head_that_trickles_in_is_a_read_timeout(monkeypatch: pytest.MonkeyPat
             await writer.drain()
             await asyncio.sleep(0.1)
 
-    error = refused_head(trickle)
+    error = refused_head(trickle, EngineBounds(head_within_s=0.5))
     assert isinstance(error, httpx.ReadTimeout)
     assert "response head took over" in str(error)
 
 
-def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop() -> None:
+def test_the_head_bounds_are_the_settings() -> None:
+    """``--engine-head-bytes`` and ``--engine-interim-responses``: a head of 8 KiB after
+    three interim responses passes the defaults and is refused under either bound."""
+    async def head(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 3)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-big: " + b"a" * 8192
+                     + b"\r\n\r\n{}")
+        await writer.drain()
+
+    answer = head_answer(head)
+    assert isinstance(answer, httpx.Response)
+    assert answer.status_code == 200
+    error = refused_head(head, EngineBounds(head_bytes=4096))
+    assert "head is over 4096 bytes" in str(error)
+    error = refused_head(head, EngineBounds(interim_responses=2))
+    assert "over 2 interim" in str(error)
+
+
+@pytest.mark.parametrize("budget", [TURN_READ_BUDGET, 8192])
+def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop(budget: int) -> None:
     """Engines that write faster than the proxy reads (each read fills the buffer offered)
-    read once a turn, and together ``TURN_READ_BUDGET`` a turn: four floods cost the loop's
+    read once a turn, and together ``--engine-read-share`` a turn: four floods cost the loop's
     other work no more per turn than one. Once they end, a read is offered whole again."""
     payload = b"data: " + b"x" * 250 + b"\n\n"
     body = payload * 64
@@ -632,7 +658,7 @@ def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop() -> None:
         def sink(data: bytes) -> None:
             per_turn[turn[0]] += len(data)
 
-        transport = H1Transport()
+        transport = H1Transport(bounds=EngineBounds(read_share=budget))
         async with server(handler) as (url, _), httpx.AsyncClient(
                 base_url=url, transport=transport) as http:
             loop.call_soon(tick)
@@ -646,7 +672,7 @@ def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop() -> None:
     # (offered whole: not known to flood before it fills its buffer) aside, the four
     # share the budget.
     settled = sorted(reads)[: len(reads) * 95 // 100]
-    assert TURN_READ_BUDGET < 4 * READ_SIZE  # what four whole reads a turn would be
-    assert max(settled) <= TURN_READ_BUDGET, (max(settled), len(reads))
+    assert budget < 4 * READ_SIZE  # what four whole reads a turn would be
+    assert max(settled) <= budget, (max(settled), len(reads))
     assert transport.reads.floods == 0
     assert transport.reads.size == READ_SIZE
