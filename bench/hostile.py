@@ -27,8 +27,9 @@ running them in turn (the order flipped every round, same processes, same machin
   clients each sending, every ``--oversized-gap`` seconds, one of: a body declared over
   ``--max-body`` (``body_size``), a chunked body streamed past it (``body_streamed``), a
   body of more than ``--max-json-values`` values (``json_values``), a request head over
-  64 KiB (``head_size``). The attackers keep the pressure up: a connection the proxy
-  answers (a 408 at ``--head-timeout``) is opened again at once;
+  64 KiB (``head_size``), a chunked body of one-byte chunks past ``--max-body-chunks``
+  (``body_chunks``). The attackers keep the pressure up: a connection the proxy answers
+  (a 408 at ``--head-timeout``) is opened again at once;
 - ``direct_flood`` (unless ``--no-direct-floods``): the healthy streams and the flood
   clients, both straight to the fake: what the floods cost on this machine (the fake's
   writes, the reader's reads, the cores they take) without the proxy.
@@ -113,12 +114,13 @@ DIRECT_FLOOD = "direct_flood"  # the healthy streams and the floods, both to the
 # The proxy's defaults: what the oversized payloads exceed.
 DEFAULT_MAX_BODY: int = Settings.model_fields["max_body_bytes"].default
 DEFAULT_MAX_JSON_VALUES: int = Settings.model_fields["max_json_values"].default
-OVERSIZED_KINDS = ("body_size", "json_values", "head_size", "body_streamed")
+DEFAULT_MAX_BODY_CHUNKS: int = Settings.model_fields["max_body_chunks"].default
+OVERSIZED_KINDS = ("body_size", "json_values", "head_size", "body_streamed", "body_chunks")
 # What each attacker's answer must be; the proxy's refusal counter's label for it.
 EXPECTED = {"idle": ("408", "head_timeout"), "slowloris": ("408", "head_timeout"),
             "flood": ("200", None), "body_size": ("413", "body_size"),
             "body_streamed": ("413", "body_size"), "json_values": ("413", "json_values"),
-            "head_size": ("431", "head_size")}
+            "head_size": ("431", "head_size"), "body_chunks": ("413", "body_chunks")}
 FLOOD_END = b"data: [DONE]\n\n\r\n0\r\n\r\n"
 REFUSALS = re.compile(r'^prefixpin_limit_refusals_total\{limit="([^"]+)"\} ([0-9.e+]+)$', re.M)
 # The issue's bounds.
@@ -367,6 +369,8 @@ class Attack:
             try:
                 if kind == "body_streamed":
                     await self.stream_body(writer, answer, stats)
+                elif kind == "body_chunks":
+                    await self.stream_chunks(writer, answer, stats)
                 else:
                     writer.write(self.payloads[kind])
                     await writer.drain()
@@ -392,6 +396,22 @@ class Attack:
             writer.write(piece)
             sent += 65536
             stats.bytes += 65536
+            await writer.drain()
+
+
+    async def stream_chunks(self, writer: asyncio.StreamWriter, answer: asyncio.Future[str],
+                            stats: KindStats) -> None:
+        """A chunked body of one-byte chunks (each costs the proxy's parser a callback),
+        8,192 chunks a write, until the proxy answers (or well past the default
+        ``--max-body-chunks``)."""
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
+                     b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"1\r\n \r\n" * 8192
+        sent = 0
+        while not answer.done() and sent <= 4 * DEFAULT_MAX_BODY_CHUNKS:
+            writer.write(piece)
+            sent += 8192
+            stats.bytes += len(piece)
             await writer.drain()
 
 

@@ -71,6 +71,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                               "compiled relay, at least 4 KiB each (default 64 KiB)"),
     "--compiled-hold": ("compiled_hold_bytes", int, "relayed bytes the compiled relay holds "
                         "for a stream before handing them to its log (default 256 KiB)"),
+    "--max-body-chunks": ("max_body_chunks", int, "chunks of one chunked request body "
+                          "(Transfer-Encoding: chunked); past them a 413 and close "
+                          "(default 4096)"),
     "--retry-grace": ("retry_grace_s", float, "seconds a generation outlives its clients "
                       "so a resend can join it (default 30)"),
     "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),

@@ -37,6 +37,10 @@ from prefixpin.proxy.client_writes import (
 # Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024
 LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and dropped
+# ... and how much of it: a client that keeps sending past this is not read again (it is
+# reset at the linger's end), as reading a blast at line rate for two seconds would take
+# the loop from every other connection.
+LINGER_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class ConnectionLimits:
     max_connections: int = 2048  # per listener; each is a descriptor and a protocol object
     head_timeout_s: float = 30.0  # request line and headers, from the first byte
     body_timeout_s: float = 300.0  # the whole body, from the end of the head
+    max_body_chunks: int = 4096  # chunks of one chunked request body
     # The compiled relay's (core.compiled_relay): engine bytes one run reads, the flooding
     # streams together, and the relayed bytes it holds for a stream before giving it back.
     relay_read_share: int = 64 * 1024
@@ -94,6 +99,10 @@ def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
     return head + body
 
 
+class TooManyChunksError(Exception):
+    """Raised from the parser's callback to stop it reading the rest of a refused body."""
+
+
 def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -109,6 +118,8 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
         _tail = b""  # the last bytes of a head so far: its end may straddle two reads
         _refused = False
         _deadline: Any = None  # the head's or the body's timer (asyncio.TimerHandle)
+        _body_chunks = 0
+        _dropped = 0  # bytes read and dropped since the refusal
 
         def connection_made(self, transport: Any) -> None:
             cls = type(self)
@@ -156,8 +167,11 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             self._count(limit)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return  # the answer is out; what the client still sends is dropped
+            if self._refused:  # the answer is out; what the client still sends is dropped
+                self._dropped += len(data)
+                if self._dropped > LINGER_MAX_BYTES:
+                    self.transport.pause_reading()
+                return
             if self._in_head and self._deadline is None:  # the next request's first bytes
                 self._arm(limits.head_timeout_s, "request head", "head_timeout")
             if self._in_head:
@@ -181,6 +195,7 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes, self._tail = False, 0, b""
+            self._body_chunks = 0
             self._arm(limits.body_timeout_s, "request body", "body_timeout")
             super().on_headers_complete()
             cycle = self.cycle
@@ -206,7 +221,27 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             # shared a read with this request's end are not counted: at most one read).
             self._in_head = True
 
+        def on_chunk_header(self) -> None:
+            """Each chunk of a chunked body costs the parser's callbacks, whatever its size:
+            a read of one-byte chunks is tens of thousands of them, and held the loop for
+            as long. Past ``max_body_chunks`` the request is refused (a 413), and the
+            exception stops the parser in the middle of the read."""
+            self._body_chunks += 1
+            # (The body's last chunk, empty, is a chunk header too: one more is allowed,
+            # and a body over the bound is refused at the header after its first too many.)
+            if self._body_chunks > limits.max_body_chunks + 1:
+                self.logger.warning("request body in over %d chunks refused",
+                                    limits.max_body_chunks)
+                self._refuse(error_bytes(
+                    413, "Content Too Large",
+                    f"request body sent in more than {limits.max_body_chunks} chunks",
+                    "too_many_chunks"))
+                self._count("body_chunks")
+                raise TooManyChunksError
+
         def send_400_response(self, msg: str) -> None:
+            if self._refused:  # (the parser stopped at a refusal: its answer is out)
+                return
             self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
                                      "invalid_http"))
 

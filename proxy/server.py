@@ -58,7 +58,8 @@ def serve(settings: Settings) -> int:
     metrics = apps.metrics
     limits = ConnectionLimits(
         max_connections=settings.max_connections, head_timeout_s=settings.head_timeout_s,
-        body_timeout_s=settings.body_timeout_s, relay_read_share=settings.compiled_read_share,
+        body_timeout_s=settings.body_timeout_s, max_body_chunks=settings.max_body_chunks,
+        relay_read_share=settings.compiled_read_share,
         relay_hold_bytes=settings.compiled_hold_bytes,
         refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a

@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(2048, ge=1)
     head_timeout_s: float = Field(30.0, gt=0)
     body_timeout_s: float = Field(300.0, gt=0)
+    max_body_chunks: int = Field(4096, ge=1, description="chunks of one chunked request "
+                                 "body; past them a 413 and close")
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: bool = Field(True, description="Relay token events in compiled code "
                              "(core._relay) where it is built")

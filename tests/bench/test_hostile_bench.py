@@ -51,7 +51,7 @@ def test_a_tiny_hostile_run_serves_every_healthy_stream_and_answers_every_attack
         tmp_path: Path) -> None:
     result = run_bench(
         tmp_path, "--healthy", "8", "--idle", "20", "--slowloris", "4", "--floods", "1",
-        "--oversized", "4", "--flood-mib", "2", "--events", "50", "--waves", "2",
+        "--oversized", "5", "--flood-mib", "2", "--events", "50", "--waves", "2",
         "--rounds", "1", "--head-timeout", "1", "--max-connections", "64",
         "--past-limit", "8", "--no-direct-floods")
     for arm, figures in result["arms"].items():
@@ -64,13 +64,15 @@ def test_a_tiny_hostile_run_serves_every_healthy_stream_and_answers_every_attack
     # the idle and slowloris connections, 413 for the bodies, 431 for the head, and the
     # flood read to its end.
     expected = {"idle": "408", "slowloris": "408", "flood": "200", "body_size": "413",
-                "json_values": "413", "head_size": "431", "body_streamed": "413"}
+                "json_values": "413", "head_size": "431", "body_streamed": "413",
+                "body_chunks": "413"}
     assert {kind: row["expected"] for kind, row in answers.items()
             if kind != "counter_agrees"} == expected
     for kind, row in answers.items():
         if kind == "counter_agrees":
             assert all(agreed["ok"] for agreed in row.values()), row
-            assert set(row) == {"head_timeout", "body_size", "json_values", "head_size"}
+            assert set(row) == {"head_timeout", "body_size", "json_values", "head_size",
+                                "body_chunks"}
         else:
             assert row["ok"], (kind, row)
     limit = result["limit_phase"]

@@ -15,6 +15,7 @@ BOUNDS = {
     "--max-queued-per-namespace": ("max_queued_per_namespace", 3),
     "--max-queued-per-lane": ("max_queued_per_lane", 9),
     "--max-shared-sessions-per-namespace": ("max_shared_sessions_per_namespace", 11),
+    "--max-body-chunks": ("max_body_chunks", 64),
     "--engine-head-bytes": ("engine_head_bytes", 4096),
     "--engine-interim-responses": ("engine_interim_responses", 2),
     "--engine-head-timeout": ("engine_head_timeout_s", 1.5),

@@ -15,7 +15,13 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from prefixpin.proxy.http_limits import LINGER_S, MAX_HEAD_BYTES, ConnectionLimits, http_options
+from prefixpin.proxy.http_limits import (
+    LINGER_MAX_BYTES,
+    LINGER_S,
+    MAX_HEAD_BYTES,
+    ConnectionLimits,
+    http_options,
+)
 
 
 class Transport(asyncio.Transport):
@@ -25,6 +31,7 @@ class Transport(asyncio.Transport):
         super().__init__()
         self.out = bytearray()
         self.closed = False
+        self.reading = True
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 8088), "peername": ("127.0.0.1", 50000)}.get(
@@ -40,10 +47,13 @@ class Transport(asyncio.Transport):
         self.closed = True
 
     def pause_reading(self) -> None:
-        pass
+        self.reading = False
 
     def resume_reading(self) -> None:
-        pass
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
 
     def can_write_eof(self) -> bool:
         return True
@@ -194,3 +204,93 @@ async def test_connections_past_the_limit_are_a_503_and_closed() -> None:
     assert status_of(bytes(transports[2].out)) == 503
     assert transports[2].closed
     assert seen == ["connections"]
+
+
+def chunked(pieces: list[bytes]) -> bytes:
+    """A POST whose body is ``pieces``, each one chunk (Transfer-Encoding: chunked)."""
+    body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked"
+            b"\r\n\r\n" + body + b"0\r\n\r\n")
+
+
+@pytest.mark.anyio
+async def test_a_chunked_body_within_max_body_chunks_is_served_and_one_past_it_is_a_413(
+        ) -> None:
+    seen: list[str] = []
+    config = uvicorn.Config(body_length_app, log_level="error", **http_options(
+        limits=ConnectionLimits(max_body_chunks=8, refused=seen.append)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    answers = []
+    for pieces in (8, 9):
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(chunked([b"{}"] * pieces))
+        for _ in range(100):
+            if transport.out:
+                break
+            await asyncio.sleep(0.01)
+        answers.append(bytes(transport.out))
+        protocol.connection_lost(None)
+    assert status_of(answers[0]) == 200, answers[0][:300]
+    assert answers[0].endswith(b"\r\n2\r\n16\r\n0\r\n\r\n")  # its 16 bytes, read whole
+    assert status_of(answers[1]) == 413
+    assert b"too_many_chunks" in answers[1]
+    assert seen == ["body_chunks"]
+
+
+@pytest.mark.anyio
+async def test_a_read_of_one_byte_chunks_stops_at_the_bound() -> None:
+    """One read holding 40,000 one-byte chunks: the parser stops at the chunk past the
+    bound (its callbacks are what held the loop), so what reaches the app is the bound's
+    worth of bytes, and the client gets a 413."""
+    received: list[int] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (message := await receive())["type"] == "http.request":
+            received.append(len(message["body"]))
+            if not message.get("more_body"):
+                break
+
+    config = uvicorn.Config(app, log_level="error", **http_options(
+        limits=ConnectionLimits(max_body_chunks=1000)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    raw = chunked([b"x"] * 40_000)
+    protocol.data_received(raw[:-5])  # all but the body's end
+    for _ in range(100):
+        if received:
+            break
+        await asyncio.sleep(0.01)
+    assert status_of(bytes(transport.out)) == 413
+    assert 1000 <= sum(received) <= 1001  # (the last chunk's header is one more allowed)
+    protocol.connection_lost(None)
+
+
+@pytest.mark.anyio
+async def test_a_refused_client_that_keeps_sending_is_not_read_past_the_linger_bound() -> None:
+    """After a refusal the rest of the request is read and dropped for the linger (so the
+    client can read its answer before the close), but only ``LINGER_MAX_BYTES`` of it: a
+    client blasting on is not read again, instead of taking the loop at line rate."""
+    config = uvicorn.Config(body_length_app, log_level="error", **http_options(
+        limits=ConnectionLimits(max_body_chunks=8)))
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(chunked([b"{}"] * 10)[:-5])  # refused at its tenth chunk
+    assert status_of(bytes(transport.out)) == 413
+    blast = b"x" * 65536
+    for _ in range(LINGER_MAX_BYTES // len(blast)):
+        protocol.data_received(blast)
+    assert transport.is_reading()  # within the bound: read (and dropped)
+    protocol.data_received(blast)
+    assert not transport.is_reading()
+    protocol.connection_lost(None)
