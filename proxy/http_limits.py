@@ -245,13 +245,29 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
                                      "invalid_http"))
 
+        def on_response_complete(self) -> None:
+            if self._in_head:
+                super().on_response_complete()
+                return
+            # Answered before its body was all read (a 413 past --max-body, a 401, ...):
+            # the rest of the body is not read on for the next request, whatever its
+            # length (an endless chunked one would keep the loop reading at line rate);
+            # the connection closes after a linger, as after a refusal.
+            self.server_state.total_requests += 1
+            self._close_after_answer()
+
         def _refuse(self, response: bytes, *, linger: bool = True) -> None:
-            """Answer, then linger: keep reading (and dropping) what the client is still
-            sending for a moment, so that closing does not reset the connection before
-            the client has read the answer (not when the point is to close at once)."""
+            """Answer, then close (``_close_after_answer``)."""
+            self.transport.write(response)
+            self._close_after_answer(linger=linger)
+
+        def _close_after_answer(self, *, linger: bool = True) -> None:
+            """Half-close, then linger: keep reading (and dropping) what the client is
+            still sending for a moment (up to ``LINGER_MAX_BYTES``), so that closing does
+            not reset the connection before the client has read the answer (not when the
+            point is to close at once)."""
             self._refused = True
             self._disarm()
-            self.transport.write(response)
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self.loop.call_later(LINGER_S if linger else 0.0, self.transport.close)

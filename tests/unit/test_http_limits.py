@@ -294,3 +294,37 @@ async def test_a_refused_client_that_keeps_sending_is_not_read_past_the_linger_b
     protocol.data_received(blast)
     assert not transport.is_reading()
     protocol.connection_lost(None)
+
+
+@pytest.mark.anyio
+async def test_an_answer_before_the_body_ends_closes_the_connection_after_a_linger() -> None:
+    """An app that answers before it read the whole body (a 413 past ``--max-body``):
+    the rest of the body is not read on for a next request (an endless chunked one kept
+    the loop reading at line rate), only dropped up to ``LINGER_MAX_BYTES``, and the
+    connection closes after the linger."""
+    async def early(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()  # the body's first bytes, then the answer
+        await send({"type": "http.response.start", "status": 413, "headers": []})
+        await send({"type": "http.response.body", "body": b"too large"})
+
+    config = uvicorn.Config(early, log_level="error", **http_options())
+    config.load()
+    protocol_class: Any = config.http_protocol_class
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    piece = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+    protocol.data_received(chunked([])[:-5] + piece)
+    for _ in range(100):
+        if transport.out:
+            break
+        await asyncio.sleep(0.01)
+    assert status_of(bytes(transport.out)) == 413
+    for _ in range(LINGER_MAX_BYTES // len(piece) + 2):
+        protocol.data_received(piece)
+    assert not transport.is_reading()
+    await asyncio.sleep(LINGER_S + 0.1)
+    assert transport.closed
+    protocol.connection_lost(None)
