@@ -47,15 +47,19 @@
  * would otherwise keep one run() reading (every other stream, and the loop, waiting) and
  * its buffers growing. The rest is read next turn (epoll is level-triggered). */
 #define MAX_READ_PER_TURN (4 * READ_SIZE)
-/* The engine bytes one run() reads, all its streams together, past what each may read
- * anyway (MIN_READ_PER_RUN): ten engines flooding cost every other stream, and the loop,
- * about as much per turn as one. Its ready engine sockets are read from a start that
- * moves on every run, so the budget goes to each flood in turn; what a socket did not
- * read is there next run (epoll is level-triggered). The default of the constructor's
- * read_per_run (a relay's own budget, never below MIN_READ_PER_RUN). */
+/* The engine bytes one run() reads, all its streams together, past the floors
+ * (MIN_READ_PER_RUN) of the streams that are not flooding: a flooding stream reads from
+ * this budget alone, so ten engines flooding cost every other stream, and the loop, about
+ * as much per turn as one. Its ready engine sockets are read from a start that moves on
+ * every run, so the budget goes to each flood in turn; what a socket did not read is there
+ * next run (epoll is level-triggered). The default of the constructor's read_per_run (a
+ * relay's own budget, never below MIN_READ_PER_RUN). */
 #define MAX_READ_PER_RUN READ_SIZE
-/* What every ready engine socket may read in a run, the budget spent or not: a stream
- * that writes a token at a time is never kept waiting behind the floods for its turn. */
+/* What every ready engine socket that is not flooding may read in a run, the budget spent
+ * or not: a stream that writes a token at a time is never kept waiting behind the floods
+ * for its turn. A stream is flooding while its last read filled the allowance it was given
+ * (it stopped at the allowance, not at an empty socket); a flood gets no floor, or its
+ * floor, times the floods, would be read every run past the budget. */
 #define MIN_READ_PER_RUN 4096
 /* The relayed events a stream's hold keeps for the generation's log: past this the stream
  * is given back (and offered again at its next token event), so that the log is never
@@ -347,6 +351,7 @@ typedef struct stream {
     int done;
     int blocked; /* the client's socket is full: the engine is not read until it drains */
     int queued;  /* on this turn's list */
+    int flooding; /* its last read filled its allowance: it reads from the budget alone */
 } stream_t;
 
 typedef struct {
@@ -354,7 +359,7 @@ typedef struct {
     int epfd;
     stream_t *streams;
     unsigned turn;       /* where the next run starts reading */
-    size_t read_per_run; /* engine bytes a run reads past each socket's floor */
+    size_t read_per_run; /* engine bytes a run reads past the floors of non-floods */
     size_t held;         /* relayed bytes a stream's hold keeps */
 } Relay;
 
@@ -646,9 +651,16 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         stream_t *s = end->stream;
         if (!end->client) {
             size_t allowance = budget < MAX_READ_PER_TURN ? budget : MAX_READ_PER_TURN;
-            if (allowance < MIN_READ_PER_RUN) allowance = MIN_READ_PER_RUN;
-            size_t taken = read_engine(s, events[i].events, allowance);
-            budget = taken >= budget ? 0 : budget - taken;
+            if (!s->flooding && allowance < MIN_READ_PER_RUN) allowance = MIN_READ_PER_RUN;
+            /* A flood with no budget left is not read (recv of 0 bytes would read as its
+             * end): it is reported again next run, and its client is written as ever. */
+            if (allowance) {
+                size_t taken = read_engine(s, events[i].events, allowance);
+                /* read_engine stops short of the allowance only at an empty socket, its
+                 * end or an error: a stream stops flooding at its first such read. */
+                s->flooding = taken >= allowance;
+                budget = taken >= budget ? 0 : budget - taken;
+            }
         }
         if (!s->queued) {
             s->queued = 1;

@@ -9,13 +9,15 @@ STOPS: tuple[ScanStop, ...]
 MAX_PENDING: int  # bytes of a chunk, or of an event not whole yet, before "too-long"
 MAX_RELAYED_HELD: int  # Relay(hold_bytes=)'s default: relayed event bytes a hold keeps
 MAX_READ_PER_RUN: int  # Relay(read_per_run=)'s default: engine bytes one run() reads
-MIN_READ_PER_RUN: int  # what every ready engine socket may read in a run, budget or not
+# What every ready engine socket that is not flooding may read in a run, budget or not (a
+# flooding one, whose last read filled what it was given, reads from the budget alone)
+MIN_READ_PER_RUN: int
 MAX_SIZE_LINE: int  # hex digits of a chunk's size line
 
 class Relay:
-    # read_per_run: engine bytes one run() reads past each socket's floor (at least
-    # MIN_READ_PER_RUN); hold_bytes: relayed event bytes a hold keeps before the stream is given
-    # back (at least 1). Below either, ValueError.
+    # read_per_run: engine bytes one run() reads past the floors of the sockets not
+    # flooding (at least MIN_READ_PER_RUN); hold_bytes: relayed event bytes a hold keeps
+    # before the stream is given back (at least 1). Below either, ValueError.
     def __init__(self, *, read_per_run: int = ..., hold_bytes: int = ...) -> None: ...
     def fileno(self) -> int: ...
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,

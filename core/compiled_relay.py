@@ -72,9 +72,11 @@ class CompiledRelay:
     the loop's callback (``run``) or from ``reclaim`` itself.
 
     ``read_per_run``: the engine bytes one turn reads, all its streams together, past what
-    each ready engine socket may read anyway (``MIN_READ_PER_RUN``, which is also its
-    least); ``hold_bytes``: the relayed event bytes a stream's hold keeps before the stream
-    is given back (at least 1). ValueError below either."""
+    each ready engine socket that is not flooding may read anyway (``MIN_READ_PER_RUN``,
+    which is also its least; a flooding one, whose last read filled what it was given,
+    reads from this budget alone, each in turn); ``hold_bytes``: the relayed event bytes a
+    stream's hold keeps before the stream is given back (at least 1). ValueError below
+    either."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *,
                  read_per_run: int = MAX_READ_PER_RUN, hold_bytes: int = MAX_RELAYED_HELD) -> None:

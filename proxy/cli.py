@@ -68,7 +68,8 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                             "loop by the connections that flood at once, split between "
                             "them, at least 2 KiB each (default 16 KiB)"),
     "--compiled-read-share": ("compiled_read_share", int, "the same, per run of the "
-                              "compiled relay, at least 4 KiB each (default 64 KiB)"),
+                              "compiled relay, each flood in turn; a stream that is not "
+                              "flooding reads 4 KiB besides (default 64 KiB)"),
     "--compiled-hold": ("compiled_hold_bytes", int, "relayed bytes the compiled relay holds "
                         "for a stream before handing them to its log (default 256 KiB)"),
     "--max-body-chunks": ("max_body_chunks", int, "chunks of one chunked request body "

@@ -361,16 +361,22 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
     assert received == wire
 
 
-def flood(relay: Relay, budget: int) -> None:
-    """Four floods and a slow stream through ``relay``, whose run reads ``budget`` past the
-    floors: what each run reads, and that every byte goes out in order."""
+def flood(relay: Relay, budget: int, *, slow: bool = True) -> None:
+    """Four floods (engines with a quarter megabyte ready at once) and, with ``slow``, a
+    stream that writes a token every run, through ``relay``, whose run reads ``budget``:
+    what each run reads, that the slow stream's token goes out in the run it came, that
+    every flood moves on within a few runs, and that every byte goes out in order."""
     socks: list[socket.socket] = []
     streams = []
     # ~0.24 MB each: many runs' reads, under what a hold keeps (no stream is given back)
     wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(700))
     assert 3 * budget < len(wire) < MAX_RELAYED_HELD
+    count = 5 if slow else 4
+    # What the clients may get in a run past what it read: the rest of a chunk each stream
+    # read in an earlier run (its client gets whole events only).
+    slack = count * len(chunk(token("f" * 200 + "699")))
     try:
-        for _ in range(5):
+        for _ in range(count):
             engine, engine_peer = socket.socketpair()
             client, client_peer = socket.socketpair()
             socks += (engine, engine_peer, client, client_peer)
@@ -380,29 +386,38 @@ def flood(relay: Relay, budget: int) -> None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             relay.adopt(engine.fileno(), client.fileno(), HEAD, TAIL, object())
             streams.append((engine_peer, client_peer, bytearray()))
-        for engine_peer, _, _ in streams[:4]:
+        floods = streams[:4]
+        for engine_peer, _, _ in floods:
             assert engine_peer.send(wire) == len(wire)
-        slow_peer, _, slow_got = streams[4]
-        for run in range(400):
-            slow = chunk(token(f"slow {run}"))
-            slow_peer.send(slow)
+        moved = [0] * len(floods)  # the last run each flood's client got bytes (or was done)
+        for run in range(2000):
+            if slow:
+                token_chunk = chunk(token(f"slow {run}"))
+                streams[4][0].send(token_chunk)
             assert list(relay.run()) == []
             this_run = 0
-            for _, peer, got in streams:
+            for at, (_, peer, got) in enumerate(streams):
                 try:
                     piece = peer.recv(4 << 20)
                 except BlockingIOError:
                     piece = b""
                 got += piece
                 this_run += len(piece)
-                assert piece or len(got) == len(wire), run  # each moves on every run
-            assert slow_got.endswith(slow)  # the slow one's token went out at once
-            # one run's reads (chunk-framed again for the clients: a few bytes each),
-            # well under what four floods would read unbounded (4 x 256 KiB)
-            assert this_run <= budget + 5 * MIN_READ_PER_RUN + 8192, this_run
-            if all(len(got) == len(wire) for _, _, got in streams[:4]):
+                if at < len(floods) and (piece or len(got) == len(wire)):
+                    moved[at] = run
+            if slow:
+                assert streams[4][2].endswith(token_chunk)  # the slow one never waits
+            # The budget goes to each flood in turn (the socket read first moves on every
+            # run): each gets bytes in any round of the ready sockets, a run to spare.
+            assert all(run - last <= count for last in moved), (run, moved)
+            # One run's reads: the budget, and a floor for each stream not flooding. In
+            # the first run no flood is known yet to flood; from the second a flood reads
+            # only from the budget (no floor of its own on top), the slow stream its floor.
+            floors = (1 if slow else 0) if run else count
+            assert this_run <= budget + floors * MIN_READ_PER_RUN + slack, (run, this_run)
+            if all(len(got) == len(wire) for _, _, got in floods):
                 break
-        assert [bytes(got) == wire for _, _, got in streams[:4]] == [True] * 4
+        assert [bytes(got) == wire for _, _, got in floods] == [True] * 4
     finally:
         relay.close()
         for sock in socks:
@@ -411,19 +426,27 @@ def flood(relay: Relay, budget: int) -> None:
 
 def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() -> None:
     """Four engines with megabytes ready and one writing a token at a time: one run()
-    reads ``MAX_READ_PER_RUN`` of them all together (ten floods cost the loop about as
-    much per turn as one), plus ``MIN_READ_PER_RUN`` each, so every stream moves on every
-    run and the slow one's token goes out in the run it came; every byte in order."""
+    reads ``MAX_READ_PER_RUN`` of the floods all together (ten floods cost the loop about
+    as much per turn as one), each in turn, and the slow one, which never fills what it may
+    read, ``MIN_READ_PER_RUN`` past it, so its token goes out in the run it came; every
+    byte in order."""
     flood(Relay(), MAX_READ_PER_RUN)
 
 
 def test_a_relay_built_with_a_smaller_read_per_run_reads_that_much_in_a_run() -> None:
     """``read_per_run`` is the relay's own budget: a quarter of the default bounds what one
-    run reads of four floods (the floors on top, as ever), and every stream still moves on
-    every run."""
+    run reads of four floods (the slow stream's floor on top), and every flood still moves
+    on within a few runs."""
     budget = 16 * 1024
-    assert budget + 5 * MIN_READ_PER_RUN + 8192 < MAX_READ_PER_RUN  # the default reads more
+    assert budget + MIN_READ_PER_RUN + 8192 < MAX_READ_PER_RUN  # the default reads more
     flood(Relay(read_per_run=budget), budget)
+
+
+def test_a_flood_reads_no_floor_once_the_budget_is_spent() -> None:
+    """A flood (its last read filled what it was given) reads from the budget alone: with
+    a budget of one floor, four floods read one floor's worth a run all together once they
+    are known to flood (not four floors, one each on top of the budget), each in turn."""
+    flood(Relay(read_per_run=MIN_READ_PER_RUN), MIN_READ_PER_RUN, slow=False)
 
 
 def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
