@@ -67,6 +67,22 @@ class Pair:
     def run(self) -> list[Back]:
         return list(self.relay.run())
 
+    def widen(self) -> None:
+        """Socket buffers of 4 MiB: megabytes ready at once."""
+        for sock in (self.engine, self.engine_peer, self.client, self.client_peer):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def first_back(self, runs: int = 100) -> Back:
+        """The one stream given back within ``runs`` runs."""
+        backs: list[Back] = []
+        for _ in range(runs):
+            backs += self.run()
+            if backs:
+                break
+        (back,) = backs
+        return back
+
     def received(self) -> bytes:
         out = b""
         while True:
@@ -338,9 +354,7 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
     """An engine with megabytes ready does not hold one run() (every other stream, and
     the loop) until it is read dry: a turn reads at most a few reads' worth, and the next
     turns go on where it stopped, every byte in order."""
-    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.widen()
     pair.adopt()
     # More than three runs' reads, under what a hold keeps (MAX_RELAYED_HELD)
     one_run = MAX_READ_PER_RUN + MIN_READ_PER_RUN
@@ -465,19 +479,12 @@ def test_a_hold_gives_the_stream_back_once_it_keeps_its_bound_of_relayed_events(
     """The events a hold keeps for the generation's log are bounded: past
     ``MAX_RELAYED_HELD`` the stream is given back (Python then takes them into the log, and
     the next token event offers the stream again), every byte accounted for."""
-    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.widen()
     pair.adopt()
     wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(6000))  # ~1.4 MB
     pair.engine_peer.setblocking(False)
     assert pair.engine_peer.send(wire) == len(wire)
-    backs = []
-    for _ in range(100):
-        backs += pair.run()
-        if backs:
-            break
-    ((_, relayed, count, engine, unsent, _, _),) = backs
+    (_, relayed, count, engine, unsent, _, _) = pair.first_back()
     assert MAX_RELAYED_HELD <= len(relayed) < MAX_RELAYED_HELD + 320_000
     assert unsent == b""
     received = pair.received()
@@ -494,21 +501,14 @@ def test_a_relay_built_with_a_smaller_held_gives_the_stream_back_at_that_bound(
     held = 32 * 1024
     pair.relay.close()
     pair.relay = Relay(hold_bytes=held)
-    for sock in (pair.engine, pair.engine_peer, pair.client, pair.client_peer):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    pair.widen()
     pair.adopt()
     event = chunk(token("v" * 200))
     wire = event * 2000  # ~0.7 MB: more than the default bound, ready at once
     assert len(wire) > MAX_RELAYED_HELD + MAX_READ_PER_RUN
     pair.engine_peer.setblocking(False)
     assert pair.engine_peer.send(wire) == len(wire)
-    backs = []
-    for _ in range(100):
-        backs += pair.run()
-        if backs:
-            break
-    ((_, relayed, count, engine, unsent, _, _),) = backs
+    (_, relayed, count, engine, unsent, _, _) = pair.first_back()
     # Past the bound by at most one run's reads (and the part of a chunk read before it).
     assert held <= len(relayed) < held + MAX_READ_PER_RUN + len(event)
     assert relayed == token("v" * 200) * count

@@ -103,6 +103,26 @@ def status_of(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
+def connected(app: Any, limits: ConnectionLimits | None = None) -> tuple[Any, Transport]:
+    """A connection to ``app`` on the bounded protocol, and the transport it writes to."""
+    config = uvicorn.Config(app, log_level="error", **http_options(limits=limits))
+    config.load()
+    protocol_class: Any = config.http_protocol_class  # typed as asyncio.Protocol
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def answer_of(transport: Transport) -> bytes:
+    """What was written once the app (a task) has answered, or within a second."""
+    for _ in range(100):
+        if transport.out:
+            break
+        await asyncio.sleep(0.01)
+    return bytes(transport.out)
+
+
 BIG_BODY = b"{" + b" " * 150_000 + b"}"  # a long agent history is this size
 
 
@@ -217,21 +237,12 @@ def chunked(pieces: list[bytes]) -> bytes:
 async def test_a_chunked_body_within_max_body_chunks_is_served_and_one_past_it_is_a_413(
         ) -> None:
     seen: list[str] = []
-    config = uvicorn.Config(body_length_app, log_level="error", **http_options(
-        limits=ConnectionLimits(max_body_chunks=8, refused=seen.append)))
-    config.load()
-    protocol_class: Any = config.http_protocol_class
+    limits = ConnectionLimits(max_body_chunks=8, refused=seen.append)
     answers = []
     for pieces in (8, 9):
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-        transport = Transport()
-        protocol.connection_made(transport)
+        protocol, transport = connected(body_length_app, limits)
         protocol.data_received(chunked([b"{}"] * pieces))
-        for _ in range(100):
-            if transport.out:
-                break
-            await asyncio.sleep(0.01)
-        answers.append(bytes(transport.out))
+        answers.append(await answer_of(transport))
         protocol.connection_lost(None)
     assert status_of(answers[0]) == 200, answers[0][:300]
     assert answers[0].endswith(b"\r\n2\r\n16\r\n0\r\n\r\n")  # its 16 bytes, read whole
@@ -255,13 +266,7 @@ async def test_a_read_of_one_byte_chunks_stops_at_the_bound() -> None:
             if not message.get("more_body"):
                 break
 
-    config = uvicorn.Config(app, log_level="error", **http_options(
-        limits=ConnectionLimits(max_body_chunks=1000)))
-    config.load()
-    protocol_class: Any = config.http_protocol_class
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-    transport = Transport()
-    protocol.connection_made(transport)
+    protocol, transport = connected(app, ConnectionLimits(max_body_chunks=1000))
     raw = chunked([b"x"] * 40_000)
     protocol.data_received(raw[:-5])  # all but the body's end
     for _ in range(100):
@@ -278,13 +283,7 @@ async def test_a_refused_client_that_keeps_sending_is_not_read_past_the_linger_b
     """After a refusal the rest of the request is read and dropped for the linger (so the
     client can read its answer before the close), but only ``LINGER_MAX_BYTES`` of it: a
     client blasting on is not read again, instead of taking the loop at line rate."""
-    config = uvicorn.Config(body_length_app, log_level="error", **http_options(
-        limits=ConnectionLimits(max_body_chunks=8)))
-    config.load()
-    protocol_class: Any = config.http_protocol_class
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-    transport = Transport()
-    protocol.connection_made(transport)
+    protocol, transport = connected(body_length_app, ConnectionLimits(max_body_chunks=8))
     protocol.data_received(chunked([b"{}"] * 10)[:-5])  # refused at its tenth chunk
     assert status_of(bytes(transport.out)) == 413
     blast = b"x" * 65536
@@ -309,19 +308,10 @@ async def test_an_answer_before_the_body_ends_closes_the_connection_after_a_ling
         await send({"type": "http.response.start", "status": 413, "headers": []})
         await send({"type": "http.response.body", "body": b"too large"})
 
-    config = uvicorn.Config(early, log_level="error", **http_options())
-    config.load()
-    protocol_class: Any = config.http_protocol_class
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-    transport = Transport()
-    protocol.connection_made(transport)
+    protocol, transport = connected(early)
     piece = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
     protocol.data_received(chunked([])[:-5] + piece)
-    for _ in range(100):
-        if transport.out:
-            break
-        await asyncio.sleep(0.01)
-    assert status_of(bytes(transport.out)) == 413
+    assert status_of(await answer_of(transport)) == 413
     for _ in range(LINGER_MAX_BYTES // len(piece) + 2):
         protocol.data_received(piece)
     assert not transport.is_reading()
