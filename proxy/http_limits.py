@@ -53,8 +53,8 @@ class ConnectionLimits:
     # streams together, and the relayed bytes it holds for a stream before giving it back.
     relay_read_share: int = 64 * 1024
     relay_hold_bytes: int = 256 * 1024
-    # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size):
-    # the metrics'.
+    # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size,
+    # body_chunks): the metrics'.
     refused: Callable[[str], None] | None = None
 
 

@@ -123,8 +123,9 @@ class Metrics:
                                "by outcome", ["outcome"], registry=r)
         self.limit_refusals = Counter("prefixpin_limit_refusals", "Connections and requests "
                                       "refused at a bound (connections, head_timeout, "
-                                      "body_timeout, head_size, body_size, json_values, "
-                                      "bodies: --max-bodies, the bodies read at once)",
+                                      "body_timeout, head_size, body_chunks, body_size, "
+                                      "json_values, bodies: --max-bodies, the bodies read "
+                                      "at once)",
                                       ["limit"], registry=r)
         self.openings = Counter("prefixpin_openings", "New sessions' openings (system prompt "
                                 "and tools) saved for their namespace's next sessions or "
