@@ -215,11 +215,11 @@ class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection to the engine, one request at a time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, reads: ReadShare,
-                 bounds: EngineBounds | None = None) -> None:
+                 bounds: EngineBounds) -> None:
         self._loop = loop
         self._read_buffer = memoryview(bytearray(READ_SIZE))
         self._reads = reads
-        self._bounds = bounds or EngineBounds()
+        self._bounds = bounds
         self._offered = READ_SIZE  # the last read's buffer size
         self._filled = False  # the last read filled it
         self._flooding = False  # counted in ``reads``

@@ -81,7 +81,12 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     except ImportError:  # a tree from before the connections shared their flooding reads
         connection = _Connection(loop)  # type: ignore[call-arg,unused-ignore]
     else:
-        connection = _Connection(loop, ReadShare())
+        try:
+            from prefixpin.adapters.h1 import EngineBounds
+        except ImportError:  # a tree from before the engine's bounds were settings
+            connection = _Connection(loop, ReadShare())  # type: ignore[call-arg,unused-ignore]
+        else:
+            connection = _Connection(loop, ReadShare(), EngineBounds())
     connection.connection_made(NullTransport())  # type: ignore[arg-type]
     request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions", content=b"{}")
     try:

@@ -51,8 +51,8 @@ class ConnectionLimits:
     max_body_chunks: int = 4096  # chunks of one chunked request body
     # The compiled relay's (core.compiled_relay): engine bytes one run reads, the flooding
     # streams together, and the relayed bytes it holds for a stream before giving it back.
-    relay_read_share: int = 64 * 1024
-    relay_hold_bytes: int = 256 * 1024
+    relay_read_share: int = relay_core.MAX_READ_PER_RUN
+    relay_hold_bytes: int = relay_core.MAX_RELAYED_HELD
     # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size,
     # body_chunks): the metrics'.
     refused: Callable[[str], None] | None = None
@@ -246,15 +246,13 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                                      "invalid_http"))
 
         def on_response_complete(self) -> None:
-            if self._in_head:
-                super().on_response_complete()
-                return
-            # Answered before its body was all read (a 413 past --max-body, a 401, ...):
-            # the rest of the body is not read on for the next request, whatever its
-            # length (an endless chunked one would keep the loop reading at line rate);
-            # the connection closes after a linger, as after a refusal.
-            self.server_state.total_requests += 1
-            self._close_after_answer()
+            super().on_response_complete()
+            if not self._in_head:
+                # Answered before its body was all read (a 413 past --max-body, a 401,
+                # ...): the rest of the body is not read on for the next request, whatever
+                # its length (an endless chunked one would keep the loop reading at line
+                # rate); the connection closes after a linger, as after a refusal.
+                self._close_after_answer()
 
         def _refuse(self, response: bytes, *, linger: bool = True) -> None:
             """Answer, then close (``_close_after_answer``)."""

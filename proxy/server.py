@@ -171,8 +171,8 @@ async def collect_young(every_s: float) -> None:
     objects die as fast as new ones are made (a long reply's read frames folded away
     while new ones come, under a flood), the count stays low while the young objects
     pile up to tens of thousands, and their collection, when it comes, holds the loop
-    for tens of milliseconds (15-46 ms measured under bench/hostile.py's floods). Taken
-    every 50 ms they are a few thousand at most: about a millisecond's pause."""
+    for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
+    millisecond's pause."""
     while True:
         await asyncio.sleep(every_s)
         gc.collect(0)

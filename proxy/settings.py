@@ -15,6 +15,9 @@ import httpx
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from prefixpin.adapters import h1
+from prefixpin.core import compiled_relay
+
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
 
@@ -78,12 +81,13 @@ class Settings(BaseSettings):
     # read per turn of the loop by the connections that flood at once, in the Python relay
     # and in the compiled one (per run); the relayed bytes the compiled relay holds for a
     # stream before Python takes them into its log.
-    engine_head_bytes: int = Field(1 << 20, ge=1024)
-    engine_interim_responses: int = Field(8, ge=0)
-    engine_head_timeout_s: float = Field(30.0, gt=0)
-    engine_read_share: int = Field(16 * 1024, ge=2048)
-    compiled_read_share: int = Field(64 * 1024, ge=4096)
-    compiled_hold_bytes: int = Field(256 * 1024, ge=4096)
+    engine_head_bytes: int = Field(h1.MAX_HEAD_BYTES, ge=1024)
+    engine_interim_responses: int = Field(h1.MAX_INTERIM_RESPONSES, ge=0)
+    engine_head_timeout_s: float = Field(h1.HEAD_WITHIN_S, gt=0)
+    engine_read_share: int = Field(h1.TURN_READ_BUDGET, ge=h1.MIN_READ)
+    compiled_read_share: int = Field(compiled_relay.MAX_READ_PER_RUN,
+                                     ge=compiled_relay.MIN_READ_PER_RUN)
+    compiled_hold_bytes: int = Field(compiled_relay.MAX_RELAYED_HELD, ge=4096)
     # Each listener's connections, and the time a request's head and body may take
     # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: int = Field(2048, ge=1)
