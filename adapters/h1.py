@@ -222,6 +222,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._bounds = bounds
         self._offered = READ_SIZE  # the last read's buffer size
         self._filled = False  # the last read filled it
+        self._last_read = b""  # the last read's bytes
+        self._align = 0  # the next read stops there: a chunk's end (``align_next_read``)
+        self._aligned = False  # the last read was stopped at a chunk's end
         self._flooding = False  # counted in ``reads``
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
@@ -262,6 +265,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._informational = False
         self._framed = False  # content-length or chunked: the body's end is known
         self.at_chunk_end = False  # the parser is between two chunks of a chunked body
+        self._chunk_data = 0  # the body bytes of the chunk the parser is in, so far
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
@@ -386,14 +390,17 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._flooding:
-            size = self._offered = self._reads.size
-            return self._read_buffer[:size]
-        self._offered = READ_SIZE
-        return self._read_buffer
+        size = self._reads.size if self._flooding else READ_SIZE
+        self._aligned = 0 < self._align < size
+        if self._aligned:
+            size = self._align
+        self._align = 0
+        self._offered = size
+        return self._read_buffer if size == READ_SIZE else self._read_buffer[:size]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._filled = nbytes >= self._offered
+        # A read stopped at a chunk's end filled its buffer by design, not by a flood.
+        self._filled = nbytes >= self._offered and not self._aligned
         self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
@@ -401,6 +408,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._broken()  # bytes nobody asked for: never reuse this connection
             return
         self._received += len(data)
+        self._last_read = data
         if not self._head_done:
             if not self._head_started:
                 self._head_started = self._loop.time()
@@ -537,6 +545,7 @@ class _Connection(asyncio.BufferedProtocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:
             return  # a second response nobody asked for (closed below)
+        self._chunk_data += len(body)
         if (sink := self.sink) is not None:
             try:
                 sink(body)
@@ -548,6 +557,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def on_chunk_header(self) -> None:
         self.at_chunk_end = False
+        self._chunk_data = 0
 
     def on_chunk_complete(self) -> None:
         self.at_chunk_end = True
@@ -583,6 +593,17 @@ class _Connection(asyncio.BufferedProtocol):
 
     # ---------------------------------------------------------------- the relay's handoff
 
+    @property
+    def read_at_chunk_end(self) -> bool:
+        # The parser calls a chunk complete after its CRLF, and a chunk's header only once
+        # its size line is whole: a read that ends in the next size line ends at neither.
+        return self.at_chunk_end and self._last_read.endswith(b"\r\n")
+
+    def align_next_read(self) -> None:
+        """The next read stops at the end of the chunk the last read ended in, where the
+        read shows that chunk's size line (nothing changes where it does not)."""
+        self._align = rest_of_chunk(self._last_read, self._chunk_data)
+
     def handoff(self) -> RelayHandoff:
         return RelayHandoff(self)
 
@@ -615,13 +636,43 @@ class _Connection(asyncio.BufferedProtocol):
             self.data_received(engine)
 
 
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def rest_of_chunk(read: bytes, taken: int) -> int:
+    """The bytes from the end of ``read`` to the end of the chunk it ended in (its CRLF
+    included), where ``taken`` bytes of that chunk's data ended the read (then maybe its
+    CR), after its size line; 0 where ``read`` does not hold that size line whole, from
+    the end of the chunk before it."""
+    for cr in (0, 1):
+        start = len(read) - taken - cr  # the chunk's first data byte
+        if start < 3 or read[start - 2:start] != b"\r\n" or (cr and not read.endswith(b"\r")):
+            continue
+        # The line from the previous chunk's LF: a read that began inside the size line
+        # would show only its last digits.
+        if (after := read.rfind(b"\n", 0, start - 2)) < 0:
+            continue
+        line = read[after + 1:start - 2]
+        if not line or len(line) > 16 or line.strip(_HEX_DIGITS):
+            continue
+        size = int(line, 16)
+        if (size == taken) if cr else (size >= taken):
+            return size - taken + 2 - cr
+    return 0
+
+
 class ReadEnd(Protocol):
     """An engine connection after a read its parser took whole (``BodyReader.read_ended``)."""
 
     @property
-    def at_chunk_end(self) -> bool:
-        """The parser is between two chunks of a chunked body: where the compiled relay,
+    def read_at_chunk_end(self) -> bool:
+        """The read ended between two chunks of a chunked body: where the compiled relay,
         which reads from a chunk's start, may take over."""
+        ...
+
+    def align_next_read(self) -> None:
+        """The next read stops at the end of the chunk this one ended in, if it can tell
+        where: from there the compiled relay may take over."""
         ...
 
     def handoff(self) -> RelayHandoff:

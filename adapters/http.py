@@ -334,7 +334,7 @@ class _FrameFeed(Generic[T]):
     """A pushed body's reads, decoded and classified into frames for a sink
     (``adapters.h1.BodyReader``)."""
 
-    __slots__ = ("_classify", "_decoder", "_door", "_last_whole", "_take_frame",
+    __slots__ = ("_classify", "_decoder", "_door", "_last", "_take_frame",
                  "_take_frames", "_what", "_whole", "watches_reads")
 
     def __init__(self, what: str, decoder: StreamDecoder[T], classify: Callable[[T], Frame],
@@ -345,35 +345,45 @@ class _FrameFeed(Generic[T]):
         self._take_frame, self._take_frames = sink.take_frame, sink.take_frames
         self._whole = whole
         self._door = sink.relay_door
-        self._last_whole: bytes | None = None  # this read's last piece, if ``whole`` took it
+        self._last: bytes | None = None  # this read's last whole event, as the engine sent it
         self.watches_reads = whole is not None and self._door is not None
 
     def feed(self, chunk: bytes) -> None:
         whole = self._whole
         if whole is not None and self._decoder.idle and (frame := whole(chunk)) is not None:
-            self._last_whole = chunk
+            self._last = chunk
             self._take_frame(frame)
             return
-        self._last_whole = None
         items = _decoded(self._decoder, chunk, self._what)
         if len(items) == 1:  # one event per read: a token at a time
-            self._take_frame(self._classify(items[0]))
+            frame = self._classify(items[0])
+            self._last = frame.raw
+            self._take_frame(frame)
         elif items:
-            self._take_frames([self._classify(item) for item in items])
+            frames = [self._classify(item) for item in items]
+            self._last = last = frames[-1].raw
+            if whole is not None and whole.shape() is None:
+                whole(last)  # learns from several events a read too (checked, not kept)
+            self._take_frames(frames)
 
     def read_ended(self, read: ReadEnd) -> None:
         """After a read the connection's parser took whole: the compiled relay is offered
-        the stream when the read ended with a token of the learned shape, between two
-        chunks and two events (the compiled relay starts at a chunk's start), and someone
-        takes offers (the door's ``taking``: a client the compiled relay can write)."""
-        piece, self._last_whole = self._last_whole, None
+        the stream when the read's last event was a token of the learned shape, someone
+        takes offers (the door's ``taking``: a client the compiled relay can write) and the
+        read ended between two chunks and two events (the compiled relay starts at a
+        chunk's start). Ended elsewhere (a flood's reads end anywhere), the next read is
+        asked to stop at the end of its chunk."""
+        last, self._last = self._last, None
         door, whole = self._door, self._whole
-        if (piece is None or door is None or whole is None or not door.taking
-                or not read.at_chunk_end or not self._decoder.idle):
+        if last is None or door is None or whole is None or not door.taking:
             return
         shape = whole.shape()
-        if shape is not None and piece.startswith(shape.head) and piece.endswith(shape.tail):
+        if shape is None or not (last.startswith(shape.head) and last.endswith(shape.tail)):
+            return
+        if read.read_at_chunk_end and self._decoder.idle:
             door.offer(read.handoff(), shape)
+        else:
+            read.align_next_read()
 
 
 def _decoded(decoder: StreamDecoder[T], chunk: bytes, what: str) -> list[T]:

@@ -145,6 +145,7 @@ class AttackConfig:
     slowloris_bytes: int = 4
     slowloris_interval_s: float = 1.0
     oversized_gap_s: float = 1.0
+    oversized_kinds: tuple[str, ...] = OVERSIZED_KINDS  # the oversized clients' kinds, in turn
     max_body: int = DEFAULT_MAX_BODY
     max_json_values: int = DEFAULT_MAX_JSON_VALUES
     answer_timeout_s: float = 30.0
@@ -361,7 +362,7 @@ class Attack:
     async def oversized(self, i: int) -> None:
         """One kind of oversized request, again every ``oversized_gap_s``."""
         c = self.config
-        kind = OVERSIZED_KINDS[i % len(OVERSIZED_KINDS)]
+        kind = c.oversized_kinds[i % len(c.oversized_kinds)]
         stats = self.stats[kind]
         await asyncio.sleep(c.oversized_gap_s * i / max(1, c.oversized))
         async for reader, writer in self.connections(kind):
@@ -464,10 +465,11 @@ def attacker_main(config_json: str) -> int:
 class Attackers:
     """The attacker process of one hostile round, seen from the bench."""
 
-    def __init__(self, config: AttackConfig, log: Path) -> None:
+    def __init__(self, config: AttackConfig, log: Path, nice: int = 0) -> None:
+        niced = ["nice", "-n", str(nice)] if nice else []
         with open(log, "ab") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "attack",
+                [*niced, sys.executable, str(Path(__file__).resolve()), "attack",
                  json.dumps(asdict(config))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
 
@@ -637,6 +639,7 @@ class Run:
     past_limit: int
     logs: Path
     direct_floods: bool = False  # the direct_flood arm too
+    attackers_nice: int = 0  # the attacker process's niceness (0: as the bench's own)
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -666,13 +669,15 @@ async def measure(run: Run, ports: dict[str, int], pids: dict[str, int]) -> dict
             sampler.start()
             if arm == "hostile":
                 counted = refusals(admin)
-                attackers = Attackers(run.attack, run.logs / f"attack-{index}.log")
+                attackers = Attackers(run.attack, run.logs / f"attack-{index}.log",
+                                      run.attackers_nice)
                 await loop.run_in_executor(None, attackers.wait_ready)
             elif arm == DIRECT_FLOOD:
                 floods = AttackConfig(port=ports["direct"], floods=run.attack.floods,
                                       flood_tokens=run.attack.flood_tokens,
                                       flood_gap_s=run.attack.flood_gap_s)
-                attackers = Attackers(floods, run.logs / f"attack-direct-{index}.log")
+                attackers = Attackers(floods, run.logs / f"attack-direct-{index}.log",
+                                      run.attackers_nice)
                 await loop.run_in_executor(None, attackers.wait_ready)
             port = ports["direct" if arm in ("direct", DIRECT_FLOOD) else "proxy"]
             gaps: list[float] = []
@@ -806,8 +811,8 @@ def answered_as_expected(attack: dict[str, Any], config: AttackConfig) -> dict[s
     the proxy's counter agrees with what the attackers saw."""
     checks: dict[str, Any] = {}
     sent = {"idle": config.idle, "slowloris": config.slowloris, "flood": config.floods}
-    per_kind = collections.Counter(OVERSIZED_KINDS[i % len(OVERSIZED_KINDS)]
-                                   for i in range(config.oversized))
+    kinds = config.oversized_kinds
+    per_kind = collections.Counter(kinds[i % len(kinds)] for i in range(config.oversized))
     for kind, (status, _limit) in EXPECTED.items():
         seen = attack["kinds"].get(kind)
         clients = sent.get(kind, per_kind.get(kind, 0))
@@ -979,7 +984,9 @@ def render(result: dict[str, Any]) -> str:
         f"- machine: {machine['cpus']} CPUs, python {machine['python']}, "
         f"{machine['platform']}; load average {machine['load_average_start'][0]:.2f} at "
         f"start, {machine['load_average_end'][0]:.2f} at end (the client, the attackers, "
-        "the fake and the proxy share the cores)",
+        "the fake and the proxy share the cores"
+        + (f"; the attackers at nice {result['attackers_nice']})" if result["attackers_nice"]
+           else ")"),
         f"- proxy: `{' '.join(setup['proxy_cmd'])}` from {tree_line(setup['tree'])}; the "
         "rest at its defaults (compiled relay on), logs at info into a file",
         f"- fake: `bench/fast_engine.py`, model_path {setup['model']}; "
@@ -993,7 +1000,7 @@ def render(result: dict[str, Any]) -> str:
         f"bytes every {a['slowloris_interval_s']} s), {a['floods']} flood clients "
         f"({a['flood_tokens']} token events ≈ {result['flood_mib']} MiB a stream, "
         f"{a['flood_gap_s']} s apart), {a['oversized']} oversized clients (kinds in turn: "
-        f"{', '.join(OVERSIZED_KINDS)}; every {a['oversized_gap_s']} s); answered, they "
+        f"{', '.join(a['oversized_kinds'])}; every {a['oversized_gap_s']} s); answered, they "
         "come again",
         "- added = the arm's percentile minus the direct arm's; stall = a stream's longest "
         "silence between two reads (tokens are due every "
@@ -1109,6 +1116,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slowloris-bytes", type=int, default=4)
     parser.add_argument("--slowloris-interval", type=float, default=1.0)
     parser.add_argument("--oversized-gap", type=float, default=1.0)
+    parser.add_argument("--oversized-kinds", type=lambda text: tuple(text.split(",")),
+                        default=OVERSIZED_KINDS,
+                        help=f"the oversized clients' kinds, in turn (default: all, "
+                             f"{','.join(OVERSIZED_KINDS)})")
     parser.add_argument("--events", type=int, default=100, help="tokens per healthy stream")
     parser.add_argument("--token-delay-ms", type=float, default=20.0)
     parser.add_argument("--waves", type=int, default=3)
@@ -1131,6 +1142,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fourth arm: the healthy streams and the floods, both straight "
                              "to the fake (what the floods cost on this machine without the "
                              "proxy)")
+    parser.add_argument("--attackers-nice", type=int, default=0,
+                        help="run the attacker process at this niceness: on a small box it "
+                             "stands for attackers on other machines, whose own CPU is not "
+                             "taken from the proxy's cores (0: the bench's own)")
     parser.add_argument("--model", default="auto",
                         help="the model path the fake declares: auto (SmolLM2 when cached), "
                              "none, or a path")
@@ -1178,9 +1193,10 @@ def main(argv: list[str] | None = None) -> int:
             oversized=args.oversized, flood_tokens=flood_tokens, flood_gap_s=args.flood_gap,
             slowloris_bytes=args.slowloris_bytes,
             slowloris_interval_s=args.slowloris_interval, oversized_gap_s=args.oversized_gap,
+            oversized_kinds=args.oversized_kinds,
             max_body=max_body, max_json_values=max_json_values)
         run = Run(plan, args.rounds, config, args.max_connections, args.past_limit, logs,
-                  args.direct_floods)
+                  args.direct_floods, args.attackers_nice)
         measured = run_async(measure(run, ports, pids))
         measured["end"]["proxy_process_alive"] = alive(pids["proxy"])
     result = summarise(run, measured)
@@ -1196,6 +1212,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": {"streams": plan.streams, "waves": plan.waves, "events": plan.events,
                  "token_delay_ms": plan.token_delay_ms},
         "rounds": args.rounds, "attack_config": asdict(config),
+        "attackers_nice": args.attackers_nice,
         "flood_mib": round(flood_tokens * event_bytes / 2**20, 1),
         "proxy_log": proxy_log_counts(proxy_log),
     })

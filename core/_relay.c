@@ -17,9 +17,11 @@
  * "created", is still the shape), a chunk it does not take (the body's end, an extension,
  * a malformed size), the engine's end of file or a read error, a failed client write (the
  * client gone), or Python reclaiming it. What is given back is exact: the events relayed since
- * the adoption (for the generation's log), the engine bytes not relayed, chunk-framed from
+ * the last hand (for the generation's log), the engine bytes not relayed, chunk-framed from
  * a chunk's start (Python's HTTP parser reads on from them), and the client bytes not
- * written. Both sockets are duplicated at adoption, so a descriptor number the loop closes
+ * written. Relayed events past the hold's bound (MAX_RELAYED_HELD) are delivered to Python
+ * without giving the stream back: run() returns them as a give-back with None for the
+ * engine's bytes. Both sockets are duplicated at adoption, so a descriptor number the loop closes
  * and reuses meanwhile is never written to; the duplicates are closed at the give-back.
  *
  * The parsing (chunks, events, the shape) is one sans-IO scanner, scan_body(), apart from
@@ -54,19 +56,20 @@
  * every run, so the budget goes to each flood in turn; what a socket did not read is there
  * next run (epoll is level-triggered). The default of the constructor's read_per_run (a
  * relay's own budget, never below MIN_READ_PER_RUN). */
-#define MAX_READ_PER_RUN READ_SIZE
+#define MAX_READ_PER_RUN (16 * 1024)
 /* What every ready engine socket that is not flooding may read in a run, the budget spent
  * or not: a stream that writes a token at a time is never kept waiting behind the floods
  * for its turn. A stream is flooding while its last read filled the allowance it was given
  * (it stopped at the allowance, not at an empty socket); a flood gets no floor, or its
  * floor, times the floods, would be read every run past the budget. */
 #define MIN_READ_PER_RUN 4096
-/* The relayed events a stream's hold keeps for the generation's log: past this the stream
- * is given back (and offered again at its next token event), so that the log is never
- * far behind and handing it back is never a long stall of the loop: Python takes what
- * was given back into the log in one step, at about a microsecond per event. The
- * default of the constructor's hold_bytes (a relay's own bound, at least a byte). */
-#define MAX_RELAYED_HELD (256 * 1024)
+/* The relayed events a stream's hold keeps for the generation's log: past this run()
+ * delivers them to Python (the stream stays adopted), so that the log is never far behind
+ * and taking them into it is never a long stall of the loop (Python takes a delivery in one
+ * step, at about a microsecond per event). A flood stays here, at its bounded share of
+ * each run, instead of going back to Python's costlier path per event. The default of the
+ * constructor's hold_bytes (a relay's own bound, at least a byte). */
+#define MAX_RELAYED_HELD (64 * 1024)
 
 typedef struct {
     char *p;
@@ -343,7 +346,8 @@ typedef struct stream {
     buf_t raw;     /* engine bytes not taken yet, from a chunk's start */
     buf_t sse;     /* the scanner's carry: bytes of whole chunks not taken as events yet */
     buf_t out;     /* chunk-framed events for the client, not written yet */
-    buf_t relayed; /* the events relayed since the adoption, as the engine sent them */
+    buf_t relayed; /* the events relayed since the last hand, as the engine sent them */
+    buf_t texts;   /* their texts' JSON string bodies, joined: one JSON string's body */
     Py_ssize_t count;
     size_t held; /* relayed bytes kept before the stream is given back (its relay's hold_bytes) */
     double last_read, last_write;
@@ -376,6 +380,7 @@ static void stream_free(stream_t *s) {
     free(s->sse.p);
     free(s->out.p);
     free(s->relayed.p);
+    free(s->texts.p);
     free(s->head);
     free(s->tail);
     Py_XDECREF(s->hold);
@@ -383,16 +388,21 @@ static void stream_free(stream_t *s) {
 }
 
 /* The scanner's taker for a stream: the event framed for the client and kept for the
- * generation's log, both or neither (the room is made first). */
+ * generation's log, with its text (the bytes between the shape's head and tail, a JSON
+ * string's body), all or none (the room is made first). */
 static int frame_event(void *ctx, const char *event, size_t n) {
     stream_t *s = ctx;
     char line[24];
     size_t h = size_line(line, n);
-    if (buf_reserve(&s->out, h + n + 2) < 0 || buf_reserve(&s->relayed, n) < 0) return -1;
+    size_t text = n - s->head_len - s->tail_len; /* the scanner took it: at least 1 */
+    if (buf_reserve(&s->out, h + n + 2) < 0 || buf_reserve(&s->relayed, n) < 0 ||
+        buf_reserve(&s->texts, text) < 0)
+        return -1;
     buf_append(&s->out, line, h);
     buf_append(&s->out, event, n);
     buf_append(&s->out, "\r\n", 2);
     buf_append(&s->relayed, event, n);
+    buf_append(&s->texts, event + s->head_len, text);
     return 0;
 }
 
@@ -403,7 +413,7 @@ static void take_chunks(stream_t *s) {
     scan_t res = scan_body(&shape, &s->sse, s->raw.p, s->raw.len, frame_event, s);
     s->count += (Py_ssize_t)res.events;
     buf_consume(&s->raw, res.consumed);
-    if (res.stop != SCAN_MORE || s->relayed.len >= s->held) s->done = 1;
+    if (res.stop != SCAN_MORE) s->done = 1;
 }
 
 /* Reads until a short read (one recv per event, mostly), or ``allowance`` bytes; the
@@ -497,7 +507,7 @@ static void unlink_stream(Relay *relay, stream_t *s) {
     s->prev = s->next = NULL;
 }
 
-/* (hold, relayed, count, engine_bytes, unsent, last_read, last_write), or NULL with an
+/* (hold, relayed, count, engine_bytes, unsent, last_read, last_write, texts), or NULL with an
  * exception; the stream stays adopted either way (``release`` frees it once the tuple is
  * in Python's hands: a stream is never freed without being handed back). */
 static PyObject *handing(stream_t *s) {
@@ -519,12 +529,29 @@ static PyObject *handing(stream_t *s) {
     }
     PyObject *item = NULL;
     if (engine) {
-        item = Py_BuildValue("(Oy#nNy#dd)", s->hold, s->relayed.p ? s->relayed.p : "",
+        item = Py_BuildValue("(Oy#nNy#ddy#)", s->hold, s->relayed.p ? s->relayed.p : "",
                              (Py_ssize_t)s->relayed.len, s->count, engine,
                              s->out.p ? s->out.p : "", (Py_ssize_t)s->out.len, s->last_read,
-                             s->last_write);
+                             s->last_write, s->texts.p ? s->texts.p : "",
+                             (Py_ssize_t)s->texts.len);
     }
     return item;
+}
+
+/* (hold, relayed, count, None, b"", last_read, last_write, texts): the events relayed since
+ * the last hand, delivered while the stream stays adopted (None where a give-back has the
+ * engine's bytes), or NULL with an exception. The stream keeps them until ``delivered``. */
+static PyObject *delivering(stream_t *s) {
+    return Py_BuildValue("(Oy#nOy#ddy#)", s->hold, s->relayed.p, (Py_ssize_t)s->relayed.len,
+                         s->count, Py_None, "", (Py_ssize_t)0, s->last_read, s->last_write,
+                         s->texts.p, (Py_ssize_t)s->texts.len);
+}
+
+/* The delivery is in Python's hands: the next one starts empty. */
+static void delivered(stream_t *s) {
+    buf_consume(&s->relayed, s->relayed.len);
+    buf_consume(&s->texts, s->texts.len);
+    s->count = 0;
 }
 
 static void release(Relay *relay, stream_t *s) {
@@ -673,17 +700,19 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         next = s->ready;
         s->queued = 0;
         if (s->out.len) write_client(self, s);
-        if (!s->done) continue;
-        PyObject *item = handing(s);
+        int delivery = !s->done && s->relayed.len >= s->held;
+        if (!s->done && !delivery) continue;
+        PyObject *item = delivery ? delivering(s) : handing(s);
         if (item == NULL || PyList_Append(back, item) < 0) {
-            /* This stream and the rest stay adopted: given back at their next read, or by
-             * reclaim() (the heartbeat's), never lost. */
+            /* This stream and the rest stay adopted with what they relayed: handed at
+             * their next read, or by reclaim() (the heartbeat's), never lost. */
             Py_XDECREF(item);
             for (stream_t *rest = next; rest != NULL; rest = rest->ready) rest->queued = 0;
             Py_DECREF(back);
             return NULL;
         }
-        release(self, s);
+        if (delivery) delivered(s);
+        else release(self, s);
         Py_DECREF(item);
     }
     return back;

@@ -13,12 +13,13 @@ it saves, measured side by side: docs/benchmarks.md).
 It gives a stream back at the first event that is not a token of its shape (the finish,
 the usage, an error), at the body's end, an engine end of file or error, a failed client
 write (a full one holds the stream back: the engine is not read until the client's socket
-drains), and once it holds ``hold_bytes`` bytes of relayed events (``MAX_RELAYED_HELD`` unless
-the relay is built with another); Python can reclaim a stream at any moment (a second
-client joins, a heartbeat or read timer fires, the client leaves). What comes back is exact
-(``GivenBack``): the events relayed (the generation's log gets them then), the engine
-bytes not relayed (its HTTP parser reads on from them) and the client bytes not written
-(its transport writes them before anything newer).
+drains); Python can reclaim a stream at any moment (a second client joins, a heartbeat or
+read timer fires, the client leaves). What comes back is exact (``GivenBack``): the events
+relayed (the generation's log gets them then), the engine bytes not relayed (its HTTP parser
+reads on from them) and the client bytes not written (its transport writes them before
+anything newer). Once a stream's relayed events reach ``hold_bytes`` (``MAX_RELAYED_HELD``
+unless the relay is built with another) they are delivered to its hold (``Delivered``) and
+the stream stays: a flood keeps its bounded share of each turn here, in C.
 
 Only Linux builds the extension (epoll); without it ``available()`` is False and every
 stream takes the Python path, which stays complete on its own.
@@ -39,8 +40,8 @@ except ImportError:  # not built here (no compiler, not Linux): the Python path 
     Relay = None  # type: ignore[assignment,misc,unused-ignore]
     # The extension's defaults and floor (core/_relay.c), for the settings and the
     # signature alone: no relay is built.
-    MAX_READ_PER_RUN = 64 * 1024
-    MAX_RELAYED_HELD = 256 * 1024
+    MAX_READ_PER_RUN = 16 * 1024
+    MAX_RELAYED_HELD = 64 * 1024
     MIN_READ_PER_RUN = 4096
 
 
@@ -52,10 +53,12 @@ def available() -> bool:
 @dataclass(frozen=True, slots=True)
 class GivenBack:
     """A stream the compiled relay let go. ``relayed``: the token events written to the client since
-    the adoption, as the engine sent them (``count`` of them); ``engine``: the engine's
+    its last hand, as the engine sent them (``count`` of them); ``engine``: the engine's
     bytes not relayed, chunk-framed from a chunk's start; ``unsent``: chunk-framed client
     bytes not written yet; ``last_read``/``last_write``: ``time.monotonic()`` of its last
-    read of the engine and write to the client (the adoption's time if none)."""
+    read of the engine and write to the client (the adoption's time if none); ``texts``:
+    the relayed events' texts as the JSON string bodies they were, joined (one JSON
+    string's body: a log that folds needs only that)."""
 
     relayed: bytes
     count: int
@@ -63,6 +66,20 @@ class GivenBack:
     unsent: bytes
     last_read: float
     last_write: float
+    texts: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """Token events the compiled relay wrote to a stream's client since its last hand (``count``
+    of them, as the engine sent them, and ``texts`` as in ``GivenBack``), for the
+    generation's log; the relay keeps the stream. ``last_write``: ``time.monotonic()`` of
+    its last write to the client."""
+
+    relayed: bytes
+    count: int
+    last_write: float
+    texts: bytes
 
 
 class Hold(Protocol):
@@ -70,6 +87,9 @@ class Hold(Protocol):
     one handle of a stream in the compiled relay, in C and in Python."""
 
     def given_back(self, back: GivenBack) -> None: ...
+
+    def delivered(self, delivered: Delivered) -> None:
+        """Events for the log while the relay keeps the stream; raising gives it back."""
 
 
 class CompiledRelay:
@@ -80,7 +100,7 @@ class CompiledRelay:
     each ready engine socket that is not flooding may read anyway (``MIN_READ_PER_RUN``,
     which is also its least; a flooding one, whose last read filled what it was given,
     reads from this budget alone, each in turn); ``hold_bytes``: the relayed event bytes a
-    stream's hold keeps before the stream is given back (at least 1). ValueError below
+    stream's hold keeps before they are delivered to it (at least 1). ValueError below
     either."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *,
@@ -93,7 +113,8 @@ class CompiledRelay:
         self._fd = self._core.fileno()
         loop.add_reader(self._fd, self.run)
         self.adopted = 0  # streams adopted so far (a stream adopted again counts again)
-        self.relayed = 0  # token events the compiled relay wrote (as given back so far)
+        self.relayed = 0  # token events the compiled relay wrote (as handed to Python so far)
+        self.deliveries = 0  # relayed events handed over while a stream stayed adopted
 
     def adopt(self, engine_fd: int, client_fd: int, head: bytes, tail: bytes,
               hold: Hold) -> None:
@@ -129,11 +150,26 @@ class CompiledRelay:
         self.loop.remove_reader(self._fd)
         self._core.close()
 
-    def _hand_back(self, item: tuple[Hold, bytes, int, bytes, bytes, float, float]) -> None:
-        hold, relayed, count, engine, unsent, last_read, last_write = item
+    def _hand_back(self, item: tuple[Hold, bytes, int, bytes | None, bytes, float, float, bytes]
+                   ) -> None:
+        hold, relayed, count, engine, unsent, last_read, last_write, texts = item
         self.relayed += count
         try:
-            hold.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write))
+            if engine is None:
+                self.deliveries += 1
+                self._deliver(hold, Delivered(relayed, count, last_write, texts))
+            else:
+                hold.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write,
+                                          texts))
         except Exception as exc:  # one stream's failure: never the other streams' turn
             self.loop.call_exception_handler({
                 "message": "a stream given back by the compiled relay failed", "exception": exc})
+
+    def _deliver(self, hold: Hold, delivered: Delivered) -> None:
+        """A delivery its hold refuses gives the stream back: Python's path meets the same
+        fault in its own read and ends the stream there."""
+        try:
+            hold.delivered(delivered)
+        except Exception:
+            self.reclaim(hold)
+            raise

@@ -156,6 +156,11 @@ OPTIONS = {"park-ahead": ("park_ahead", "on an engine short of slots, save a ses
                           "Linux by the install; without it, or with --no-compiled-relay, the "
                           "Python relay does it all) (default on; env "
                           "PREFIXPIN_COMPILED_RELAY=0)"),
+           "keep-large-buffers": ("keep_large_buffers", "keep the memory of large buffers "
+                                  "(socket reads, request bodies) in glibc's heap for reuse, "
+                                  "with up to 64 MiB of it free, instead of mapping each anew: "
+                                  "every fresh page is a fault the loop waits for (default on; "
+                                  "env PREFIXPIN_KEEP_LARGE_BUFFERS=0)"),
            "park-shared": ("park_shared", "every engine's --slot-save-path is --park-dir, one "
                            "directory for all engines and replicas: a session parked by one "
                            "engine may be restored into another running the same model "

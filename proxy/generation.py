@@ -245,12 +245,13 @@ class Generation:
         if (hold := self._hold) is not None:
             hold.reclaim()
 
-    def take_delivered(self, shape: TokenShape, events: bytes, count: int,
+    def take_delivered(self, shape: TokenShape, events: bytes, count: int, texts: bytes,
                        subscriber: Subscriber) -> None:
         """``count`` token events of ``shape`` a taker already wrote to ``subscriber`` (the
         one client), as ``events``, into the log: read by nobody else, so no change is
         announced. Once the log folds what its clients read, they go in folded: one chunk
-        of their text (nothing, when the reply is no longer kept)."""
+        of their text (``texts``: their texts' JSON string bodies, joined; nothing, when the
+        reply is no longer kept)."""
         log = self.frames
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
@@ -260,7 +261,7 @@ class Generation:
         if self.whole or shape.figured is not False:
             log.extend(shape.frames(events, count))
         else:
-            text = shape.text(events, count)  # (checked, even when not kept)
+            text = shape.text(texts)  # (checked, even when not kept)
             kept = [text_chunk(shape.field, text)] if self.reply_kept else []
             log.extend(kept)
             self._dropped += count - len(kept)

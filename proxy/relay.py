@@ -25,7 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 from prefixpin.adapters.base import FrameKind, Progress
 from prefixpin.adapters.h1 import RelayHandoff
 from prefixpin.adapters.openai_sse import TokenShape
-from prefixpin.core.compiled_relay import GivenBack
+from prefixpin.core.compiled_relay import Delivered, GivenBack
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.streaming import StreamResponse, wait_disconnect
 from prefixpin.proxy.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
@@ -255,9 +255,14 @@ class LiveStream(StreamResponse):
         self._timer = None
         if not self._asleep:
             return  # awake: the next sleep arms it again
+        now = time.monotonic()
+        if self._hold is not None and now < self._quiet_until - TIMER_SLACK_S:
+            # A delivery moved the silence's start: the compiled relay keeps the stream.
+            self._arm(asyncio.get_running_loop(), self._quiet_until, now)
+            return
         if self._hold is not None:  # what the compiled relay wrote moves the silence's start
             self._hold.reclaim()  # (a change it brings that wakes the task: _wake is a no-op)
-        now = time.monotonic()
+            now = time.monotonic()
         if now >= self._quiet_until - TIMER_SLACK_S:
             self._wake(False)
         else:  # something was sent since it was armed: the silence starts later
@@ -293,6 +298,15 @@ class LiveStream(StreamResponse):
         handoff.reclaim = hold.reclaim
         return hold
 
+    def relay_delivered(self, hold: StreamHold, delivered: Delivered) -> None:
+        """Tokens the compiled relay wrote to this client while it keeps the stream: into
+        the log, and they move the silence's start."""
+        if self._hold is not hold:
+            return
+        self._generation.take_delivered(hold.shape, delivered.relayed, delivered.count,
+                                        delivered.texts, self._subscriber)
+        self._quiet_until = max(self._quiet_until, delivered.last_write + self._heartbeat_s)
+
     def relay_gave_back(self, hold: StreamHold, back: GivenBack) -> None:
         """The compiled relay let this stream go: its relayed tokens into the log (written
         to this client already), then the client bytes it did not write, then the engine
@@ -305,7 +319,7 @@ class LiveStream(StreamResponse):
         try:
             if back.count:
                 self._generation.take_delivered(hold.shape, back.relayed, back.count,
-                                                self._subscriber)
+                                                back.texts, self._subscriber)
         finally:
             if back.unsent:
                 hold.client.write_framed(back.unsent)
@@ -333,6 +347,9 @@ class StreamHold:
 
     def given_back(self, back: GivenBack) -> None:
         self.stream.relay_gave_back(self, back)
+
+    def delivered(self, delivered: Delivered) -> None:
+        self.stream.relay_delivered(self, delivered)
 
 
 def _body(chunk: bytes) -> Message:

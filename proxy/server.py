@@ -19,6 +19,7 @@ import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
 from prefixpin.core import compiled_relay
+from prefixpin.proxy.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
 from prefixpin.proxy.app import create_apps
 from prefixpin.proxy.http_limits import ConnectionLimits, http_options
 from prefixpin.proxy.interpreter import interpreter_build
@@ -34,6 +35,9 @@ def serve(settings: Settings) -> int:
         print(f"prefixpin: {problem}", file=sys.stderr)
         return 2
     configure(settings.log_level)
+    if settings.keep_large_buffers:
+        log_event(get_logger(), logging.INFO, "large buffers kept", on=keep_large_buffers(),
+                  mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
     # About half of the relay's CPU is the interpreter's: which build runs it is worth a line.
     log_event(get_logger(), logging.INFO, "interpreter", **interpreter_build().fields())
     if settings.compiled_relay and not compiled_relay.available():

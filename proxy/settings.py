@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: bool = Field(True, description="Relay token events in compiled code "
                              "(core._relay) where it is built")
+    keep_large_buffers: bool = Field(True, description="Fixed glibc malloc thresholds "
+                                     "(proxy.allocator): large buffers reused, not mapped "
+                                     "and faulted in again")
     retry_grace_s: float = Field(30.0, ge=0, description="Keep a generation whose clients left")
     queue_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a free slot")
 

@@ -86,14 +86,16 @@ def test_a_tiny_hostile_run_serves_every_healthy_stream_and_answers_every_attack
 
 @pytest.fixture(scope="module")
 def flood_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """16 healthy streams with one flood client (48 MiB streams, back to back) and nothing
+    """16 healthy streams with one flood client (48 MiB streams, a second apart: each
+    session keeps its reply's text, a megabyte or two, so the round's growth counts the
+    floods that finish in it, three or four here) and nothing
     else; the floods straight to the fake too, for the machine's own cost. What the tests
     take for granted is checked here (a failure here is an error, never an expected
     failure): every stream served, the floods through."""
     result = run_bench(
         tmp_path_factory.mktemp("flood"), "--healthy", "16", "--idle", "0", "--slowloris",
         "0", "--floods", "1", "--oversized", "0", "--flood-mib", str(FLOOD_MIB),
-        "--flood-gap", "0.2", "--events", "50", "--waves", "2", "--rounds", "1",
+        "--flood-gap", "1.0", "--events", "50", "--waves", "2", "--rounds", "1",
         "--past-limit", "0", "--direct-floods",
         # Every flood read to its end: the default --max-reply-events would cut it short.
         "--proxy-arg=--max-reply-events=1000000")

@@ -45,8 +45,9 @@ from tests.fuzz.reference import (
     scan_in_pieces,
 )
 
-# (hold, relayed, count, engine, unsent, last read, last write): a stream given back.
-Back = tuple[Any, bytes, int, bytes, bytes, float, float]
+# (hold, relayed, count, engine, unsent, last read, last write, texts): a stream given back, or
+# (engine None) relayed events delivered while the relay keeps it.
+Back = tuple[Any, bytes, int, bytes | None, bytes, float, float, bytes]
 
 SHAPES: list[tuple[bytes, bytes]] = [
     (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"',
@@ -294,6 +295,8 @@ class Fuzzed:
     client_closed: bool = False
     stopped_sending: bool = False
     acted: bool = False
+    delivered: bytes = b""  # the relayed events of its deliveries so far, in order
+    delivered_count: int = 0
 
     def __post_init__(self) -> None:
         pair = tcp_pair if self.tcp else socket.socketpair
@@ -334,14 +337,36 @@ class Fuzzed:
         for sock in (self.engine, self.engine_peer, self.client, self.client_peer):
             sock.close()
 
+    def texts_of(self, relayed: bytes) -> bytes:
+        """The texts of relayed events (each between the shape's head and tail), joined."""
+        events = [e + b"\n\n" for e in relayed.split(b"\n\n")[:-1]]
+        return b"".join(e[len(self.head):len(e) - len(self.tail)] for e in events)
+
+    def deliver(self, back: Back) -> None:
+        """Relayed events delivered while the relay keeps the stream: the next in order."""
+        token, relayed, count, engine, unsent, last_read, last_write, texts = back
+        assert (token, engine, unsent) == (self, None, b"")
+        assert texts == self.texts_of(relayed)
+        assert self.live
+        assert relayed
+        assert count > 0
+        assert last_read > 0
+        assert last_write > 0
+        self.delivered += relayed
+        self.delivered_count += count
+        assert self.delivered == b"".join(self.ref.events[:self.delivered_count])
+
     def check(self, back: Back, *, held: bool = False) -> None:
         """Every byte of a stream given back accounted for (``held``: reclaimed, which
         the relay still held)."""
-        token, relayed, count, engine, unsent, last_read, last_write = back
+        token, relayed, count, engine, unsent, last_read, last_write, texts = back
         assert token is self
+        assert engine is not None
+        assert texts == self.texts_of(relayed)
         assert last_read > 0
         assert last_write > 0
         self.live = False
+        relayed, count = self.delivered + relayed, self.delivered_count + count
         # The relay let go of its duplicates: what they wrote reaches the other end, then
         # the end of file the originals send now.
         if not self.client_closed:
@@ -382,9 +407,10 @@ class Fuzzed:
 
 
 def relay_case(rng: random.Random, stats: dict[str, int]) -> None:
-    from prefixpin.core._relay import Relay
+    from prefixpin.core._relay import MAX_RELAYED_HELD, Relay
 
-    relay = Relay()
+    # The default hold, or one small enough that most streams deliver, or every run.
+    relay = Relay(hold_bytes=rng.choice([MAX_RELAYED_HELD, MAX_RELAYED_HELD, 4096, 1]))
     streams: list[Fuzzed] = []
     tcp = rng.random() < 0.35
     for _ in range(rng.randint(1, 4)):
@@ -470,9 +496,13 @@ def run_streams(rng: random.Random, relay: Any, streams: list[Fuzzed],
                 stream.read_client()
         backs = relay.run()
         for back in backs:
+            stats["events"] += back[2]
+            if back[3] is None:
+                by_hold[id(back[0])].deliver(back)
+                stats["delivered"] += 1
+                continue
             by_hold[id(back[0])].check(back)
             stats["given back"] += 1
-            stats["events"] += back[2]
             stats["given back unsent"] += bool(back[4])
         live = [stream for stream in streams if stream.live]
         if not live:
@@ -566,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"relay: {path} (AddressSanitizer {'loaded' if sanitized else 'not loaded'})")
     started = time.monotonic()
     stats = {"relay cases": 0, "scanner cases": 0, "streams": 0, "given back": 0,
-             "reclaimed at the end": 0, "events": 0, "given back unsent": 0}
+             "reclaimed at the end": 0, "events": 0, "given back unsent": 0, "delivered": 0}
     numbers = [args.only] if args.only is not None else range(args.cases)
     for number in numbers:
         rng = random.Random(f"{args.seed}:{number}")

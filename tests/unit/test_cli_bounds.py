@@ -21,7 +21,7 @@ BOUNDS = {
     "--engine-head-timeout": ("engine_head_timeout_s", 1.5),
     "--engine-read-share": ("engine_read_share", 8192),
     "--compiled-read-share": ("compiled_read_share", 32768),
-    "--compiled-hold": ("compiled_hold_bytes", 65536),
+    "--compiled-hold": ("compiled_hold_bytes", 32768),
 }
 
 

@@ -42,9 +42,11 @@ def chunk(data: bytes) -> bytes:
 FINISH = (b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],'
           b'"created":1796000000}\n\n')
 DONE = b"data: [DONE]\n\n"
+# A hold no test's stream reaches: where what is measured is the reads, not deliveries.
+NO_HOLD = 1 << 30
 # What the relay gives a stream back as: (token, relayed, count, engine, unsent, last
-# read, last write).
-Back = tuple[Any, bytes, int, bytes, bytes, float, float]
+# read, last write, texts); engine None: a delivery of relayed events, the stream kept.
+Back = tuple[Any, bytes, int, bytes | None, bytes, float, float, bytes]
 
 
 class Pair:
@@ -100,6 +102,19 @@ class Pair:
             sock.close()
 
 
+def unread(sock: socket.socket) -> bytes:
+    """What a non-blocking socket holds now."""
+    out = b""
+    while True:
+        try:
+            piece = sock.recv(1 << 20)
+        except BlockingIOError:
+            return out
+        if not piece:
+            return out
+        out += piece
+
+
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     made = Pair()
@@ -116,9 +131,12 @@ def test_token_events_relayed_chunk_framed_until_the_finish_which_comes_back(pai
     rest = chunk(FINISH) + chunk(DONE) + b"0\r\n\r\n"
     pair.send(chunk(token("!")) + rest)
     (back,) = pair.run()
-    hold, relayed, count, engine, unsent, last_read, last_write = back
+    hold, relayed, count, engine, unsent, last_read, last_write, texts = back
     assert hold is pair.hold
     assert (relayed, count) == (b"".join(tokens) + token("!"), 5)
+    # Their texts as the JSON string bodies they were, joined: one JSON string's body.
+    assert texts == b"".join(t[len(HEAD):-len(TAIL)] for t in [*tokens, token("!")])
+    assert json.loads(b'"' + texts + b'"') == "Hello, wörld \\ \"q\"\n🙂!"
     assert engine == rest  # whole chunks not taken come back as they were
     assert unsent == b""
     assert pair.received() == chunk(token("!"))
@@ -131,7 +149,7 @@ def test_a_chunk_of_several_events_splits_at_the_first_other_event(pair: Pair) -
     pair.adopt()
     body = token("a") + token("b") + FINISH + token("c")
     pair.send(chunk(body) + chunk(DONE))
-    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    ((_, relayed, count, engine, _, _, _, _),) = pair.run()
     assert (relayed, count) == (token("a") + token("b"), 2)
     # The rest of that chunk comes back framed as a chunk of its own, then the next chunk.
     assert engine == chunk(FINISH + token("c")) + chunk(DONE)
@@ -162,7 +180,7 @@ def test_a_text_the_lane_does_not_take_gives_the_stream_back(pair: Pair, text: s
     pair.adopt()
     event = HEAD + text.encode() + TAIL
     pair.send(chunk(event))
-    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    ((_, relayed, count, engine, _, _, _, _),) = pair.run()
     assert (relayed, count, engine) == (b"", 0, chunk(event))
     assert pair.received() == b""
 
@@ -177,7 +195,7 @@ def test_a_text_the_lane_does_not_take_gives_the_stream_back(pair: Pair, text: s
 def test_chunks_it_does_not_take_come_back_byte_for_byte(pair: Pair, wire: bytes) -> None:
     pair.adopt()
     pair.send(chunk(token("x")) + wire)
-    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    ((_, relayed, count, engine, _, _, _, _),) = pair.run()
     assert (relayed, count, engine) == (token("x"), 1, wire)
 
 
@@ -185,7 +203,7 @@ def test_the_engine_closing_gives_back_what_is_left(pair: Pair) -> None:
     pair.adopt()
     pair.send(chunk(token("x")) + b"7\r\npart")
     pair.engine_peer.shutdown(socket.SHUT_WR)
-    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    ((_, relayed, count, engine, _, _, _, _),) = pair.run()
     assert (relayed, count, engine) == (token("x"), 1, b"7\r\npart")
     assert pair.engine.recv(10) == b""  # the end of file is still there for Python's read
 
@@ -220,21 +238,20 @@ def test_reclaiming_a_stream_held_back_by_its_client_gives_back_what_it_kept(
     assert pair.run() == []
     back = pair.relay.reclaim(pair.hold)
     assert back is not None
-    (_, relayed, count, engine, unsent, _, _) = back
+    (_, relayed, count, engine, unsent, _, _, _) = back
     written = pair.received()
     assert unsent  # kept for the client: Python's transport writes it next
     assert written + unsent == b"".join(chunk(e) for e in events[:count])
     assert relayed == b"".join(events[:count])
-    # What it did not take is still the engine's: given back, or unread in the socket.
-    rest = pair.engine.recv(1 << 20) if count < len(events) and not engine else b""
-    assert engine + rest == b"".join(chunk(e) for e in events[count:])
+    # What it did not take is still the engine's: given back, then unread in the socket.
+    assert engine + unread(pair.engine) == b"".join(chunk(e) for e in events[count:])
 
 
 def test_a_client_gone_gives_the_stream_back_with_the_bytes_unwritten(pair: Pair) -> None:
     pair.adopt()
     pair.client_peer.close()
     pair.send(chunk(token("x")))
-    ((_, relayed, count, engine, unsent, _, _),) = pair.run()
+    ((_, relayed, count, engine, unsent, _, _, _),) = pair.run()
     assert (relayed, count, engine, unsent) == (token("x"), 1, b"", chunk(token("x")))
     pair.client_peer = socket.socket()  # (closed above: the fixture closes this one)
 
@@ -245,7 +262,7 @@ def test_reclaim_gives_back_now_and_drop_forgets(pair: Pair) -> None:
     assert pair.run() == []
     back = pair.relay.reclaim(pair.hold)
     assert back is not None
-    (hold, relayed, count, engine, unsent, _, _) = back
+    (hold, relayed, count, engine, unsent, _, _, _) = back
     assert (hold, relayed, count, engine, unsent) == (pair.hold, token("x"), 1, b"3\r\nab", b"")
     assert pair.relay.reclaim(pair.hold) is None
     pair.adopt()
@@ -319,8 +336,9 @@ def test_relayed_and_given_back_are_exactly_what_the_engine_sent(
             reclaimed = made.relay.reclaim(made.hold)
             assert reclaimed is not None
             backs = [reclaimed]
-        ((_, relayed, count, engine, unsent, _, _),) = backs
+        ((_, relayed, count, engine, unsent, _, _, _),) = backs
         assert unsent == b""
+        assert engine is not None
         taken = 0
         for event in events:
             if event == FINISH or not plain_json_text(event[len(HEAD):-len(TAIL)]):
@@ -345,7 +363,7 @@ def test_a_tail_whose_digits_moved_on_is_still_the_shape(pair: Pair) -> None:
     for other in (token("x").replace(b'"created":1796000000', b'"created":2796000000'),
                   token("x").replace(b'"chatcmpl-x"', b'"chatcmpl-y"')):
         pair.send(chunk(other))
-        ((_, relayed, count, engine, _, _, _),) = pair.run()
+        ((_, relayed, count, engine, _, _, _, _),) = pair.run()
         assert (count, engine) == (1 if relayed else 0, chunk(other))
         pair.adopt()
 
@@ -354,12 +372,13 @@ def test_one_turn_reads_a_fast_engine_only_so_far(pair: Pair) -> None:
     """An engine with megabytes ready does not hold one run() (every other stream, and
     the loop) until it is read dry: a turn reads at most a few reads' worth, and the next
     turns go on where it stopped, every byte in order."""
+    pair.relay.close()
+    pair.relay = Relay(hold_bytes=NO_HOLD)
     pair.widen()
     pair.adopt()
-    # More than three runs' reads, under what a hold keeps (MAX_RELAYED_HELD)
     one_run = MAX_READ_PER_RUN + MIN_READ_PER_RUN
     wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(700))
-    assert 3 * one_run < len(wire) < MAX_RELAYED_HELD
+    assert 3 * one_run < len(wire)
     pair.engine_peer.setblocking(False)
     sent = pair.engine_peer.send(wire)
     assert sent == len(wire)  # ready at once
@@ -382,9 +401,9 @@ def flood(relay: Relay, budget: int, *, slow: bool = True) -> None:
     every flood moves on within a few runs, and that every byte goes out in order."""
     socks: list[socket.socket] = []
     streams = []
-    # ~0.24 MB each: many runs' reads, under what a hold keeps (no stream is given back)
+    # ~0.24 MB each: many runs' reads (the relay's hold NO_HOLD: nothing is handed back)
     wire = b"".join(chunk(token("f" * 200 + str(i))) for i in range(700))
-    assert 3 * budget < len(wire) < MAX_RELAYED_HELD
+    assert 3 * budget < len(wire)
     count = 5 if slow else 4
     # What the clients may get in a run past what it read: the rest of a chunk each stream
     # read in an earlier run (its client gets whole events only).
@@ -444,23 +463,24 @@ def test_flooding_engines_share_one_run_s_reads_and_a_slow_stream_never_waits() 
     as much per turn as one), each in turn, and the slow one, which never fills what it may
     read, ``MIN_READ_PER_RUN`` past it, so its token goes out in the run it came; every
     byte in order."""
-    flood(Relay(), MAX_READ_PER_RUN)
+    flood(Relay(hold_bytes=NO_HOLD), MAX_READ_PER_RUN)
 
 
 def test_a_relay_built_with_a_smaller_read_per_run_reads_that_much_in_a_run() -> None:
-    """``read_per_run`` is the relay's own budget: a quarter of the default bounds what one
-    run reads of four floods (the slow stream's floor on top), and every flood still moves
-    on within a few runs."""
-    budget = 16 * 1024
-    assert budget + MIN_READ_PER_RUN + 8192 < MAX_READ_PER_RUN  # the default reads more
-    flood(Relay(read_per_run=budget), budget)
+    """``read_per_run`` is the relay's own budget: half the default bounds what one run
+    reads of four floods (the slow stream's floor on top), and every flood still moves on
+    within a few runs."""
+    budget = MAX_READ_PER_RUN // 2
+    assert MIN_READ_PER_RUN <= budget < MAX_READ_PER_RUN
+    flood(Relay(read_per_run=budget, hold_bytes=NO_HOLD), budget)
 
 
 def test_a_flood_reads_no_floor_once_the_budget_is_spent() -> None:
     """A flood (its last read filled what it was given) reads from the budget alone: with
     a budget of one floor, four floods read one floor's worth a run all together once they
     are known to flood (not four floors, one each on top of the budget), each in turn."""
-    flood(Relay(read_per_run=MIN_READ_PER_RUN), MIN_READ_PER_RUN, slow=False)
+    flood(Relay(read_per_run=MIN_READ_PER_RUN, hold_bytes=NO_HOLD), MIN_READ_PER_RUN,
+          slow=False)
 
 
 def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
@@ -469,35 +489,57 @@ def test_an_event_with_crlf_endings_comes_back_at_once(pair: Pair) -> None:
     pair.adopt()
     crlf = token("y").replace(b"\n\n", b"\r\n\r\n")
     pair.send(chunk(token("x")) + chunk(crlf))
-    ((_, relayed, count, engine, _, _, _),) = pair.run()
+    ((_, relayed, count, engine, _, _, _, _),) = pair.run()
     assert (relayed, count) == (token("x"), 1)
     assert engine == chunk(crlf)
 
 
-def test_a_hold_gives_the_stream_back_once_it_keeps_its_bound_of_relayed_events(
+def deliveries_until_drained(pair: Pair, size: int) -> tuple[list[Back], bytes]:
+    """Runs until the client has ``size`` bytes: what the relay handed, and what it wrote."""
+    backs: list[Back] = []
+    received = b""
+    for _ in range(1000):
+        backs += pair.run()
+        received += pair.received()
+        if len(received) >= size:
+            break
+    return backs, received
+
+
+def test_a_hold_delivers_its_relayed_events_at_their_bound_and_keeps_the_stream(
         pair: Pair) -> None:
     """The events a hold keeps for the generation's log are bounded: past
-    ``MAX_RELAYED_HELD`` the stream is given back (Python then takes them into the log, and
-    the next token event offers the stream again), every byte accounted for."""
+    ``MAX_RELAYED_HELD`` they are delivered (``engine`` None) and the stream stays, so a
+    fast engine is relayed here to its end, every byte accounted for."""
     pair.widen()
     pair.adopt()
-    wire = b"".join(chunk(token("v" * 200 + str(i))) for i in range(6000))  # ~1.4 MB
+    events = [token("v" * 200 + str(i)) for i in range(6000)]  # ~1.4 MB
+    wire = b"".join(chunk(e) for e in events)
     pair.engine_peer.setblocking(False)
     assert pair.engine_peer.send(wire) == len(wire)
-    (_, relayed, count, engine, unsent, _, _) = pair.first_back()
-    assert MAX_RELAYED_HELD <= len(relayed) < MAX_RELAYED_HELD + 320_000
-    assert unsent == b""
-    received = pair.received()
-    assert received == wire[:len(received)]  # the events relayed, framed as the engine did
-    assert received.count(b"\r\ndata: ") == count
-    assert engine == wire[len(received):len(received) + len(engine)]  # then what it read on
+    deliveries, received = deliveries_until_drained(pair, len(wire))
+    assert received == wire
+    assert len(deliveries) >= 4
+    for (hold, relayed, count, engine, unsent, _, last_write, texts) in deliveries:
+        assert (hold, engine, unsent) == (pair.hold, None, b"")
+        assert MAX_RELAYED_HELD <= len(relayed) < MAX_RELAYED_HELD + 320_000
+        assert relayed.count(b"data: ") == count
+        assert texts == b"".join(e[len(HEAD):-len(TAIL)] for e in relayed.split(b"\n\n")[:-1]
+                                 for e in [e + b"\n\n"])
+        assert last_write > 0
+    assert pair.relay.held() == 1  # still relaying
+    pair.send(chunk(FINISH) + chunk(DONE) + b"0\r\n\r\n")
+    (_, relayed, count, engine, _, _, _, _) = pair.first_back()
+    assert engine == chunk(FINISH) + chunk(DONE) + b"0\r\n\r\n"
+    assert b"".join(d[1] for d in deliveries) + relayed == b"".join(events)
+    assert sum(d[2] for d in deliveries) + count == len(events)
+    assert pair.relay.held() == 0
 
 
-def test_a_relay_built_with_a_smaller_held_gives_the_stream_back_at_that_bound(
-        pair: Pair) -> None:
-    """``held`` is the relay's own bound on what a hold keeps: the stream is given back
-    once its relayed events reach it, not before, and not far past it (what one run reads
-    of the engine at most), every byte accounted for."""
+def test_a_relay_built_with_a_smaller_hold_delivers_at_that_bound(pair: Pair) -> None:
+    """``hold_bytes`` is the relay's own bound on what a hold keeps: the relayed events
+    are delivered once they reach it, not before, and not far past it (what one run reads
+    of the engine at most); a reclaim then gives back the rest, every byte accounted for."""
     held = 32 * 1024
     pair.relay.close()
     pair.relay = Relay(hold_bytes=held)
@@ -508,20 +550,20 @@ def test_a_relay_built_with_a_smaller_held_gives_the_stream_back_at_that_bound(
     assert len(wire) > MAX_RELAYED_HELD + MAX_READ_PER_RUN
     pair.engine_peer.setblocking(False)
     assert pair.engine_peer.send(wire) == len(wire)
-    (_, relayed, count, engine, unsent, _, _) = pair.first_back()
-    # Past the bound by at most one run's reads (and the part of a chunk read before it).
-    assert held <= len(relayed) < held + MAX_READ_PER_RUN + len(event)
-    assert relayed == token("v" * 200) * count
-    assert unsent == b""
-    received = pair.received()
-    assert received == event * count  # the events relayed, framed as the engine did
-    assert engine == wire[len(received):len(received) + len(engine)]  # then what it read on
-    rest = b""
-    while len(received + engine + rest) < len(wire):
-        piece = pair.engine.recv(4 << 20)  # what it did not read is still the engine's
-        assert piece
-        rest += piece
-    assert received + engine + rest == wire
+    deliveries, received = deliveries_until_drained(pair, len(wire))
+    assert received == wire
+    assert len(deliveries) >= len(wire) // (held + MAX_READ_PER_RUN + len(event))
+    for (_, relayed, count, engine, _, _, _, _) in deliveries:
+        assert engine is None
+        # Past the bound by at most one run's reads (and the part of a chunk read before it).
+        assert held <= len(relayed) < held + MAX_READ_PER_RUN + len(event)
+        assert relayed == token("v" * 200) * count
+    back = pair.relay.reclaim(pair.hold)
+    assert back is not None
+    (_, relayed, count, engine, unsent, _, _, _) = back
+    assert (engine, unsent) == (b"", b"")
+    assert len(relayed) < held
+    assert sum(d[2] for d in deliveries) + count == 2000
 
 
 @pytest.mark.parametrize("kwargs", [

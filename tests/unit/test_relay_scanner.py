@@ -178,8 +178,9 @@ def test_the_socket_loop_runs_the_same_scanner(wire: bytes) -> None:
         assert len(backs) == (stop != "more")
         back = backs[0] if backs else relay.reclaim(None)
         assert back is not None
-        _, relayed, count, rest, unsent, _, _ = back
+        _, relayed, count, rest, unsent, _, _, texts = back
         assert (relayed, count, unsent) == (b"".join(taken), len(taken), b"")
+        assert texts == b"".join(e[len(HEAD):-len(TAIL)] for e in taken)
         assert rest == (chunk(carry) if carry else b"") + wire[consumed:]
         client.close()
         assert client_peer.recv(1 << 20) == b"".join(chunk(e) for e in taken)

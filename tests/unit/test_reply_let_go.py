@@ -193,13 +193,16 @@ async def test_events_the_compiled_relay_delivered_fold_into_a_let_go_log() -> N
         return b"".join(head + f"d{i} ".encode() + b'"}}]}\n\n'
                         for i in range(first, first + count))
 
+    def texts(first: int, count: int) -> bytes:
+        return "".join(f"d{i} " for i in range(first, first + count)).encode()
+
     generation = Generation(never_opened, grace_s=0, keep_events=KEEP)
     reader = generation.subscribe()
     start = reply_frames(2 * KEEP)[:-3]  # no finish yet
     fed(generation, start, [reader])
     assert not generation.whole
     before = len(generation.frames)
-    generation.take_delivered(shape, delivered(0, 500), 500, reader)
+    generation.take_delivered(shape, delivered(0, 500), 500, texts(0, 500), reader)
     assert len(generation.frames) == before + 1
     assert reader.position == len(generation.frames)
     message = assistant_message(generation.frames)
@@ -207,8 +210,10 @@ async def test_events_the_compiled_relay_delivered_fold_into_a_let_go_log() -> N
     assert message["content"].endswith("w511 " + "".join(f"d{i} " for i in range(500)))
     whole = Generation(never_opened, grace_s=0, keep_events=KEEP)
     early = whole.subscribe()
-    whole.take_delivered(shape, delivered(0, 3), 3, early)
+    whole.take_delivered(shape, delivered(0, 3), 3, texts(0, 3), early)
     assert [f.raw for f in whole.frames] == [head + f"d{i} ".encode() + b'"}}]}\n\n'
                                              for i in range(3)]
     with pytest.raises(UpstreamProtocolError, match="do not split"):
-        generation.take_delivered(shape, delivered(0, 3), 4, reader)
+        whole.take_delivered(shape, delivered(0, 3), 4, texts(0, 3), early)
+    with pytest.raises(UpstreamProtocolError, match="not one JSON string"):
+        generation.take_delivered(shape, delivered(0, 3), 3, b'd0 "', reader)
