@@ -5,9 +5,9 @@ freed, and hands the free top of its heap back to the kernel once it passes a th
 that follows those sizes. The proxy's large buffers come and go all the time: the loop
 reads a socket 256 KiB at a time into a new ``bytes``, and a request body of megabytes is
 its chunks, freed at once when it is refused or parsed. Every such buffer then comes back
-as fresh pages, each faulted in and zeroed by the kernel on first touch: with four
-clients uploading bodies past ``--max-body``, the faults took a tenth of the proxy's CPU
-and the other tenants' p99 first event went from 3 to 15-65 ms (docs/benchmarks.md).
+as fresh pages, each faulted in and zeroed by the kernel on first touch, on the loop's
+thread: under large uploads that is a tenth of the proxy's CPU, and every other tenant's
+latency waits on it (docs/benchmarks.md).
 
 Fixed thresholds keep such buffers in the heap, reused: allocations up to
 ``MMAP_THRESHOLD`` come from the heap, and up to ``TRIM_THRESHOLD`` of free memory at its
