@@ -430,6 +430,21 @@ def test_a_reply_past_max_reply_events_in_the_compiled_relay_ends_with_an_error_
     assert " w1200" not in response.text
 
 
+def test_an_engine_writing_more_than_a_read_at_a_time_is_taken_by_the_compiled_relay(
+        ) -> None:
+    """An engine that writes 200 events a chunk (30 KB, more than a read) as fast as it is
+    read: the compiled relay takes the stream within a few chunks (a read that ends inside
+    one asks the next to stop at its end; the client must be caught up too) and relays the
+    rest of the reply, every token intact."""
+    words = [f"w{i}" for i in range(2000)]
+    config = FakeLlamaConfig(reply=" ".join(words), token_delay_s=0.0, events_per_write=200)
+    with served("compiled", config, min_relayed=1000) as proxy, \
+            httpx.Client(timeout=30) as client:
+        response = client.post(proxy.url + CHAT, json=chat("fast", max_tokens=2500))
+        data = assert_the_engines_events(proxy, response.content)
+    assert text_of(data).split() == words
+
+
 def test_a_stream_the_compiled_relay_delivers_is_not_reclaimed_by_the_heartbeat() -> None:
     """A heartbeat is due only after a silence: the deliveries of a stream the compiled
     relay writes move its start, so a heartbeat period (50 ms here) passes many times
