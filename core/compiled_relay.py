@@ -31,6 +31,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixpin.core.errors import ProxyError
+
 try:
     from prefixpin.core._relay import MAX_READ_PER_RUN as MAX_READ_PER_RUN
     from prefixpin.core._relay import MAX_RELAYED_HELD as MAX_RELAYED_HELD
@@ -161,6 +163,8 @@ class CompiledRelay:
             else:
                 hold.given_back(GivenBack(relayed, count, engine, unsent, last_read, last_write,
                                           texts))
+        except ProxyError:
+            pass  # refused (past --max-reply-events): the stream's own path ends it, logged
         except Exception as exc:  # one stream's failure: never the other streams' turn
             self.loop.call_exception_handler({
                 "message": "a stream given back by the compiled relay failed", "exception": exc})

@@ -256,6 +256,9 @@ class Generation:
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
         if self._dropped + len(log) + count > self._max_frames:
+            # Written already, not kept: counted, so that what the engine sends next is
+            # refused too, whichever path reads it.
+            self._dropped += count
             raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
                                         "events (--max-reply-events)")
         if self.whole or shape.figured is not False:
