@@ -223,7 +223,6 @@ class _Connection(asyncio.BufferedProtocol):
         self._offered = READ_SIZE  # the last read's buffer size
         self._filled = False  # the last read filled it
         self._last_read = b""  # the last read's bytes
-        self._align = 0  # the next read stops there: a chunk's end (``align_next_read``)
         self._aligned = False  # the last read was stopped at a chunk's end
         self._flooding = False  # counted in ``reads``
         self._transport: asyncio.Transport | None = None
@@ -266,6 +265,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._framed = False  # content-length or chunked: the body's end is known
         self.at_chunk_end = False  # the parser is between two chunks of a chunked body
         self._chunk_data = 0  # the body bytes of the chunk the parser is in, so far
+        self._align = 0  # the next read stops there: a chunk's end (``align_next_read``)
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
