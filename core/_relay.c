@@ -349,7 +349,6 @@ typedef struct stream {
     buf_t relayed; /* the events relayed since the last hand, as the engine sent them */
     buf_t texts;   /* their texts' JSON string bodies, joined: one JSON string's body */
     Py_ssize_t count;
-    size_t held; /* relayed bytes kept before the stream is given back (its relay's hold_bytes) */
     double last_read, last_write;
     endpoint_t engine_end, client_end;
     int done;
@@ -364,7 +363,7 @@ typedef struct {
     stream_t *streams;
     unsigned turn;       /* where the next run starts reading */
     size_t read_per_run; /* engine bytes a run reads past the floors of non-floods */
-    size_t held;         /* relayed bytes a stream's hold keeps */
+    size_t held;         /* relayed bytes a stream keeps before run() delivers them */
 } Relay;
 
 static double monotonic(void) {
@@ -638,7 +637,6 @@ static PyObject *Relay_adopt(Relay *self, PyObject *args) {
     memcpy(s->tail, tail, (size_t)tail_len);
     s->head_len = (size_t)head_len;
     s->tail_len = (size_t)tail_len;
-    s->held = self->held;
     s->last_read = s->last_write = monotonic();
     s->engine_fd = fcntl(engine_fd, F_DUPFD_CLOEXEC, 0);
     s->client_fd = fcntl(client_fd, F_DUPFD_CLOEXEC, 0);
@@ -700,7 +698,7 @@ static PyObject *Relay_run(Relay *self, PyObject *Py_UNUSED(unused)) {
         next = s->ready;
         s->queued = 0;
         if (s->out.len) write_client(self, s);
-        int delivery = !s->done && s->relayed.len >= s->held;
+        int delivery = !s->done && s->relayed.len >= self->held;
         if (!s->done && !delivery) continue;
         PyObject *item = delivery ? delivering(s) : handing(s);
         if (item == NULL || PyList_Append(back, item) < 0) {

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from prefixpin.core import compiled_relay
+from prefixpin.proxy import http_limits
 from prefixpin.proxy.settings import Settings
 
 # flag -> (settings field, type, help). Every flag defaults to "not given", so the
@@ -69,12 +71,14 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                             "them, at least 2 KiB each (default 16 KiB)"),
     "--compiled-read-share": ("compiled_read_share", int, "the same, per run of the "
                               "compiled relay, each flood in turn; a stream that is not "
-                              "flooding reads 4 KiB besides (default 64 KiB)"),
-    "--compiled-hold": ("compiled_hold_bytes", int, "relayed bytes the compiled relay holds "
-                        "for a stream before handing them to its log (default 256 KiB)"),
+                              f"flooding reads {compiled_relay.MIN_READ_PER_RUN >> 10} KiB "
+                              f"besides (default {compiled_relay.MAX_READ_PER_RUN >> 10} KiB)"),
+    "--compiled-hold": ("compiled_hold_bytes", int, "relayed bytes the compiled relay keeps "
+                        "for a stream before delivering them to its log; the relay keeps the "
+                        f"stream (default {compiled_relay.MAX_RELAYED_HELD >> 10} KiB)"),
     "--max-body-chunks": ("max_body_chunks", int, "chunks of one chunked request body "
                           "(Transfer-Encoding: chunked); past them a 413 and close "
-                          "(default 4096)"),
+                          f"(default {http_limits.MAX_BODY_CHUNKS})"),
     "--retry-grace": ("retry_grace_s", float, "seconds a generation outlives its clients "
                       "so a resend can join it (default 30)"),
     "--queue-timeout": ("queue_timeout_s", float, "longest wait for a slot (default 300)"),

@@ -41,6 +41,9 @@ LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and 
 # reset at the linger's end), as reading a blast at line rate for two seconds would take
 # the loop from every other connection.
 LINGER_MAX_BYTES = 1 << 20
+# Chunks of one chunked request body (``--max-body-chunks``'s default): each costs the
+# parser's callbacks whatever its size.
+MAX_BODY_CHUNKS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +51,9 @@ class ConnectionLimits:
     max_connections: int = 2048  # per listener; each is a descriptor and a protocol object
     head_timeout_s: float = 30.0  # request line and headers, from the first byte
     body_timeout_s: float = 300.0  # the whole body, from the end of the head
-    max_body_chunks: int = 4096  # chunks of one chunked request body
+    max_body_chunks: int = MAX_BODY_CHUNKS
     # The compiled relay's (core.compiled_relay): engine bytes one run reads, the flooding
-    # streams together, and the relayed bytes it holds for a stream before giving it back.
+    # streams together, and the relayed bytes it keeps for a stream before delivering them.
     relay_read_share: int = relay_core.MAX_READ_PER_RUN
     relay_hold_bytes: int = relay_core.MAX_RELAYED_HELD
     # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size,

@@ -255,14 +255,12 @@ class LiveStream(StreamResponse):
         self._timer = None
         if not self._asleep:
             return  # awake: the next sleep arms it again
+        # A heartbeat may be due: what the compiled relay wrote since its last delivery may
+        # move the silence's start (a change it brings that wakes the task: _wake is a
+        # no-op). Not due (a delivery moved it), the relay keeps the stream.
+        if self._hold is not None and time.monotonic() >= self._quiet_until - TIMER_SLACK_S:
+            self._hold.reclaim()
         now = time.monotonic()
-        if self._hold is not None and now < self._quiet_until - TIMER_SLACK_S:
-            # A delivery moved the silence's start: the compiled relay keeps the stream.
-            self._arm(asyncio.get_running_loop(), self._quiet_until, now)
-            return
-        if self._hold is not None:  # what the compiled relay wrote moves the silence's start
-            self._hold.reclaim()  # (a change it brings that wakes the task: _wake is a no-op)
-            now = time.monotonic()
         if now >= self._quiet_until - TIMER_SLACK_S:
             self._wake(False)
         else:  # something was sent since it was armed: the silence starts later

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefixpin.adapters import h1
 from prefixpin.core import compiled_relay
+from prefixpin.proxy import http_limits
 
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
@@ -93,8 +94,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(2048, ge=1)
     head_timeout_s: float = Field(30.0, gt=0)
     body_timeout_s: float = Field(300.0, gt=0)
-    max_body_chunks: int = Field(4096, ge=1, description="chunks of one chunked request "
-                                 "body; past them a 413 and close")
+    max_body_chunks: int = Field(http_limits.MAX_BODY_CHUNKS, ge=1,
+                                 description="chunks of one chunked request body; past "
+                                 "them a 413 and close")
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: bool = Field(True, description="Relay token events in compiled code "
                              "(core._relay) where it is built")
