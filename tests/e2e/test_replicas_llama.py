@@ -156,7 +156,10 @@ def test_a_killed_replica_loses_only_its_clients_and_sessions_continue(
     def doomed() -> None:
         try:
             with httpx.stream("POST", f"{replicas[0].url}/v1/chat/completions",
-                              json={"messages": history, "max_tokens": 400, "stream": True},
+                              json={"messages": history, "max_tokens": 2000, "stream": True,
+                                    # never ends on its own before the kill: a sampled
+                                    # reply may stop after a line of verse
+                                    "ignore_eos": True, "temperature": 0},
                               headers={"x-session-id": "survivor"}, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: {"):
