@@ -236,6 +236,20 @@ typedef struct {
     scan_stop_t stop;
 } scan_t;
 
+/* Where the first blank line ("\n\n") in p[0:n] starts, or NULL. memchr is vectorized
+ * where glibc's memmem, for a two-byte needle, walks byte by byte: an event holds one
+ * newline before its end, so this is one memchr per event, plus one for the blank line. */
+static const char *blank_line(const char *p, size_t n) {
+    const char *end = p + n;
+    while (p < end) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        if (nl == NULL || nl + 1 >= end) return NULL;
+        if (nl[1] == '\n') return nl;
+        p = nl + 1;
+    }
+    return NULL;
+}
+
 /* The whole events at the start of carry that are tokens, taken and removed; the carry
  * then starts at an event (the one not taken, or one not whole yet). */
 static scan_stop_t scan_events(const shape_t *shape, buf_t *carry, take_event_t take,
@@ -244,7 +258,7 @@ static scan_stop_t scan_events(const shape_t *shape, buf_t *carry, take_event_t 
     size_t at = 0;
     for (;;) {
         const char *start = carry->p + at;
-        const char *end = memmem(start, carry->len - at, "\n\n", 2);
+        const char *end = blank_line(start, carry->len - at);
         if (end == NULL) break;
         size_t n = (size_t)(end - start) + 2;
         if (!is_token_event(shape, start, n)) {

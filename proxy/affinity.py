@@ -200,7 +200,7 @@ class AffinityPlanner:
                                                           plan.shape))
         session.chain = plan.chain or session.chain
         if outcome.reply is not None:
-            session.repair.last_reply = dict(outcome.reply)
+            session.repair.remember_reply(outcome.reply)
         session.prompt_tokens = figures.prompt_tokens or 0
         session.slot = plan.slot
         session.backend = plan.lane

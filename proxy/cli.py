@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from prefixpin.core import compiled_relay
-from prefixpin.proxy import http_limits
+from prefixpin.proxy import generation, http_limits
 from prefixpin.proxy.settings import Settings
 
 # flag -> (settings field, type, help). Every flag defaults to "not given", so the
@@ -49,6 +49,9 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "counted before it is parsed; past it a 413 (default 2,000,000)"),
     "--max-reply-events": ("max_reply_events", int, "events of one engine reply; past "
                            "them the stream ends with an error event (default 131,072)"),
+    "--max-reply-bytes": ("max_reply_bytes", int, "event bytes of one engine reply; past "
+                          "them the stream ends with an error event "
+                          f"(default {generation.MAX_REPLY_BYTES >> 20} MiB)"),
     "--keep-reply-events": ("keep_reply_events", int, "events of a reply kept as they came, "
                             "for a retry to join it from the start; past them what every "
                             "client read is folded into the reply's text (default 8192)"),

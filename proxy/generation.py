@@ -65,6 +65,10 @@ class StreamTaker(Protocol):
         """Take the engine connection's offer: the hold, or None when this client cannot
         be written directly now."""
         ...
+# The event bytes of one engine reply (``--max-reply-bytes``): 512 bytes for each of
+# ``--max-reply-events``' default events, more than any token event of an engine we serve.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+
 # Read per frame: globals, not enum lookups.
 _ERROR, _DONE, _CHUNK = FrameKind.ERROR, FrameKind.DONE, FrameKind.CHUNK
 
@@ -95,12 +99,17 @@ class Generation:
 
     def __init__(self, opener: Opener, *, grace_s: float,
                  on_settled: Callable[[Generation], None] | None = None,
-                 max_frames: int = 131_072, keep_events: int = 8192) -> None:
+                 max_frames: int = 131_072, max_bytes: int = MAX_REPLY_BYTES,
+                 keep_events: int = 8192) -> None:
         self._opener = opener
         self._grace_s = grace_s
         # An engine that sends more events than this (one that ignores max_tokens, or
-        # floods) is cut off with an error.
+        # floods), or more bytes of events (a few events of megabytes each: the log keeps
+        # the events its clients have not read, and whole ones for a retry), is cut off
+        # with an error.
         self._max_frames = max_frames
+        self._max_bytes = max_bytes
+        self._bytes = 0  # the reply's event bytes so far
         self._keep_events = keep_events
         self.whole = True  # every frame is in the log as the engine sent it: joinable
         self.reply_kept = True  # the log still folds to the whole reply
@@ -255,12 +264,14 @@ class Generation:
         log = self.frames
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
+        # Past a bound, written already but not kept: counted, so that what the engine
+        # sends next is refused too, whichever path reads it.
         if self._dropped + len(log) + count > self._max_frames:
-            # Written already, not kept: counted, so that what the engine sends next is
-            # refused too, whichever path reads it.
             self._dropped += count
-            raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
-                                        "events (--max-reply-events)")
+            raise self._too_many_events()
+        self._bytes += len(events)
+        if self._bytes > self._max_bytes:
+            raise self._too_many_bytes()
         if self.whole or shape.figured is not False:
             log.extend(shape.frames(events, count))
         else:
@@ -334,11 +345,13 @@ class Generation:
         """``take_frames([frame])``. The common frame, a streamed token after the first
         output, goes straight into the log: no list, and none of the checks that cannot
         apply to it (a progress, the first output, an error, the end)."""
+        size = len(frame.raw)
         if (frame.kind is not _CHUNK or frame.progress is not None or self.completed
                 or self.timeline.first_output is None
-                or len(self.frames) >= self._check_at):
+                or len(self.frames) >= self._check_at or self._bytes + size > self._max_bytes):
             self.take_frames([frame])
             return
+        self._bytes += size
         self.frames.append(frame)
         self._notify()
 
@@ -353,8 +366,10 @@ class Generation:
             return
         log, timeline = self.frames, self.timeline
         if self._dropped + len(log) + len(frames) > self._max_frames:
-            raise UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} "
-                                        "events (--max-reply-events)")
+            raise self._too_many_events()
+        self._bytes += sum(len(frame.raw) for frame in frames)
+        if self._bytes > self._max_bytes:
+            raise self._too_many_bytes()
         if len(log) >= self._check_at:
             self._let_go()
         for frame in frames:
@@ -371,6 +386,14 @@ class Generation:
         self._notify()
         if self.completed:
             self._loop.call_soon(self._settle)
+
+    def _too_many_events(self) -> UpstreamProtocolError:
+        return UpstreamProtocolError(f"the engine's reply exceeds {self._max_frames} events "
+                                     "(--max-reply-events)")
+
+    def _too_many_bytes(self) -> UpstreamProtocolError:
+        return UpstreamProtocolError(f"the engine's reply exceeds {self._max_bytes} bytes "
+                                     "(--max-reply-bytes)")
 
     def _let_go(self) -> None:
         """Past ``keep_events``, fold the frames every client has read (``fold_read``) and

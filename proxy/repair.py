@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixpin.proxy.history import canonical, digest
+from prefixpin.proxy.history import canonical, canonical_bytes, digest
 
 POLICIES = ("reasoning", "tool_calls", "tool_results", "window", "volatile", "tools",
             "reminders")
@@ -113,6 +113,13 @@ class RepairMemory:
 
     last_reply: dict[str, Any] | None = None  # the assistant message the proxy returned
     cut: int = 0  # messages before this index have their tool results trimmed by the proxy
+    # ``last_reply``'s bytes, which the session store counts in the namespace's budget
+    # (a reply may be megabytes: a long answer, or an engine that floods).
+    reply_size: int = 0
+
+    def remember_reply(self, reply: Mapping[str, Any] | None) -> None:
+        self.last_reply = dict(reply) if reply is not None else None
+        self.reply_size = len(canonical_bytes(self.last_reply)) if reply is not None else 0
 
 
 class Repairer:

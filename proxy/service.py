@@ -323,6 +323,7 @@ class ProxyService:
             lambda g: self._open(plan, g, namespace), grace_s=self.settings.retry_grace_s,
             on_settled=lambda g: self._record(plan, client, codec, g, arrival),
             max_frames=self.settings.max_reply_events,
+            max_bytes=self.settings.max_reply_bytes,
             keep_events=self.settings.keep_reply_events)
         generation.on_done(finished)
         self.generations.add(generation)

@@ -67,9 +67,6 @@ class Session:
     last_decision: str = "new"
     last_reason: str = ""
     turns: deque[TurnFigures] = field(default_factory=lambda: deque(maxlen=TURN_HISTORY))
-    # What the engine produced for this session, for history repair: reasoning and
-    # tool-call argument text keyed by what the client sends back.
-    outputs: dict[str, Any] = field(default_factory=dict)
     # What repair keeps besides the committed history (the reply returned, the trim cut).
     repair: RepairMemory = field(default_factory=RepairMemory)
     engine_cache: EngineCache = field(default_factory=EngineCache)
@@ -298,10 +295,12 @@ class SessionStore:
         return min(oldest, key=lambda s: s.last_used)
 
     def _account(self, session: Session) -> None:
-        """Count the session's committed bytes; over the namespace's budget, its least
-        recently used others go, then, alone over it, its own history."""
+        """Count the session's committed bytes (its history and the reply it was last
+        given, which repair keeps); over the namespace's budget, its least recently used
+        others go, then, alone over it, its own history and reply."""
         self._index(session)
-        size = session.committed.size if session.committed is not None else 0
+        size = (session.committed.size if session.committed is not None else 0
+                ) + session.repair.reply_size
         namespace = session.namespace
         self._bytes[namespace] = self._bytes.get(namespace, 0) + size - self._sizes.get(
             session.id, 0)
@@ -315,6 +314,7 @@ class SessionStore:
                 others = [s for s in own.values() if s is not session]
                 if not others:
                     session.committed = None  # alone over the budget: not kept
+                    session.repair.remember_reply(None)
                     self._index(session)
                     self._bytes[namespace] -= self._sizes.pop(session.id, 0)
                     self._sizes[session.id] = 0

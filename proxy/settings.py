@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefixpin.adapters import h1
 from prefixpin.core import compiled_relay
-from prefixpin.proxy import http_limits
+from prefixpin.proxy import generation, http_limits
 
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     # or floods) is cut off with an error event.
     max_reply_events: int = Field(131_072, ge=1024, description="events of one engine "
                                   "reply; past them the stream ends with an error")
+    max_reply_bytes: int = Field(generation.MAX_REPLY_BYTES, ge=64 * 1024,
+                                 description="event bytes of one engine reply; past them "
+                                 "the stream ends with an error")
     # A reply's log is kept whole (a retry joins it from the start) for this many events;
     # past them, what every client read is folded into the reply's text (proxy.generation).
     keep_reply_events: int = Field(8192, ge=256, description="events of a reply kept as "

@@ -432,6 +432,24 @@ def test_a_reply_past_max_reply_events_in_the_compiled_relay_ends_with_an_error_
     assert not [r for r in caplog.records if r.exc_info is not None], caplog.records
 
 
+def test_a_reply_past_max_reply_bytes_ends_with_an_error_event(relay: str) -> None:
+    """A few large events (half a kilobyte of text each here; an engine's may be megabytes:
+    a non-streaming client's log holds them all until the end) pass ``--max-reply-bytes``
+    long before ``--max-reply-events``: the client gets what came before, then a clean
+    error event, on either relay (the compiled one delivers every 4 KiB here, and its
+    delivery past the bound is refused)."""
+    words = [f"w{i}" + "x" * 500 for i in range(400)]
+    limits = ConnectionLimits(relay_hold_bytes=4096)
+    with served(relay, FakeLlamaConfig(reply=" ".join(words), token_delay_s=0.0005),
+                limits=limits, min_relayed=20, max_reply_bytes=65536) as proxy, \
+            httpx.Client(timeout=30) as client:
+        response = client.post(proxy.url + CHAT, json=chat("long", max_tokens=1000))
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert "--max-reply-bytes" in events[-1], events[-1]
+    assert " w40x" in response.text
+    assert " w200x" not in response.text  # about 100 events of 650 bytes pass 64 KiB
+
+
 def test_an_engine_writing_more_than_a_read_at_a_time_is_taken_by_the_compiled_relay(
         ) -> None:
     """An engine that writes 200 events a chunk (30 KB, more than a read) as fast as it is

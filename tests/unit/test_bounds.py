@@ -61,6 +61,28 @@ def test_committed_bytes_are_bounded_per_namespace() -> None:
     assert getattr(alone, "committed") is None  # noqa: B009 (assigned above: mypy narrows)
 
 
+def test_the_reply_a_session_keeps_counts_in_its_namespaces_committed_bytes() -> None:
+    """Repair keeps the reply a session was last given (a long answer, or a flood of
+    megabytes): it counts in the namespace's budget with the history, and a session over
+    the budget alone keeps neither."""
+    store = SessionStore(max_committed_bytes=10_000)
+    older = store.create("t", "older", "main")
+    older.repair.remember_reply({"role": "assistant", "content": "a" * 4000})
+    store.touch(older)
+    assert 4000 < store.committed_bytes("t") < 4100
+    newer = store.create("t", "newer", "main")
+    newer.committed = Committed.of_chat({"messages": [{"role": "user", "content": "q"}]})
+    newer.repair.remember_reply({"role": "assistant", "content": "b" * 7000})
+    store.touch(newer)
+    assert store.get(older.id) is None  # its reply made room for the newer one's
+    assert store.committed_bytes("t") == newer.committed.size + newer.repair.reply_size
+    newer.repair.remember_reply({"role": "assistant", "content": "c" * 20_000})
+    store.touch(newer)
+    assert store.get(newer.id) is newer
+    assert (newer.repair.last_reply, newer.repair.reply_size) == (None, 0)
+    assert store.committed_bytes("t") == 0
+
+
 def test_a_committed_history_keeps_only_what_the_template_renders() -> None:
     junk = "j" * (1 << 20)
     messages = [{"role": "user", "content": "hi", "junk": junk},

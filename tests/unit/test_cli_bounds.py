@@ -22,6 +22,7 @@ BOUNDS = {
     "--engine-read-share": ("engine_read_share", 8192),
     "--compiled-read-share": ("compiled_read_share", 32768),
     "--compiled-hold": ("compiled_hold_bytes", 32768),
+    "--max-reply-bytes": ("max_reply_bytes", 1 << 20),
 }
 
 
