@@ -170,6 +170,25 @@ def text_chunk(field: str, text: str) -> Frame:
     return frame
 
 
+class RelayedRun(Frame):
+    """``count`` token events a relay outside the log (the compiled relay) wrote to its one
+    client, kept as one frame while the log is whole: their bytes as the engine sent them
+    (``raw``: what a client that joins is written, event for event) and their joined text
+    as one chunk's (what the reply folds, as ``text_chunk``'s; no figures)."""
+
+    __slots__ = ("count",)
+
+    count: int
+
+
+def relayed_run(field: str, text: str, raw: bytes, count: int) -> RelayedRun:
+    frame = RelayedRun(FrameKind.CHUNK, raw, {"choices": [{"index": 0, "delta": {field: text}}]},
+                       has_output=True, finish=False)
+    frame.delta_field, frame.delta_text, frame.figured = field, text, False
+    frame.count = count
+    return frame
+
+
 def _keep_last(into: dict[str, Any], key: str, value: object) -> None:
     """The last value that is not null (the key kept, null, when every value was)."""
     if value is not None or key not in into:

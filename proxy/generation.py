@@ -37,7 +37,7 @@ from prefixpin.core.errors import (
     UpstreamStatusError,
 )
 from prefixpin.core.figures import may_carry_figures
-from prefixpin.proxy.aggregate import fold_read, text_chunk
+from prefixpin.proxy.aggregate import RelayedRun, fold_read, relayed_run, text_chunk
 from prefixpin.proxy.logs import get_logger
 
 if TYPE_CHECKING:
@@ -115,6 +115,9 @@ class Generation:
         self.reply_kept = True  # the log still folds to the whole reply
         self._keep_whole = False  # someone reads the log by its own index (``keep_whole``)
         self._dropped = 0  # frames folded away
+        # Events the log's relayed runs (``RelayedRun``) hold past one frame each: the
+        # log's events are ``len(frames) + _run_extra``.
+        self._run_extra = 0
         # The log's length at which the next frame is taken the long way (``take_frames``:
         # the reply's bound checked, the log let go of what was read).
         self._check_at = min(keep_events, max_frames)
@@ -258,22 +261,28 @@ class Generation:
                        subscriber: Subscriber) -> None:
         """``count`` token events of ``shape`` a taker already wrote to ``subscriber`` (the
         one client), as ``events``, into the log: read by nobody else, so no change is
-        announced. Once the log folds what its clients read, they go in folded: one chunk
-        of their text (``texts``: their texts' JSON string bodies, joined; nothing, when the
-        reply is no longer kept)."""
+        announced. While the log is whole they go in as one frame (``RelayedRun``: their
+        bytes for a client that joins, their text for the rest), one chunk of their text
+        once it folds what its clients read (``texts``: their texts' JSON string bodies,
+        joined; nothing, when the reply is no longer kept), and one frame each where
+        figures may be read from them."""
         log = self.frames
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
         # Past a bound, written already but not kept: counted, so that what the engine
         # sends next is refused too, whichever path reads it.
-        if self._dropped + len(log) + count > self._max_frames:
+        if self._dropped + self._run_extra + len(log) + count > self._max_frames:
             self._dropped += count
             raise self._too_many_events()
         self._bytes += len(events)
         if self._bytes > self._max_bytes:
             raise self._too_many_bytes()
-        if self.whole or shape.figured is not False:
+        if shape.figured is not False:
             log.extend(shape.frames(events, count))
+        elif self.whole:
+            log.append(relayed_run(shape.field, shape.text(texts), events, count))
+            self._run_extra += count - 1
+            self._check_at -= count - 1  # kept whole for keep_events events, not frames
         else:
             text = shape.text(texts)  # (checked, even when not kept)
             kept = [text_chunk(shape.field, text)] if self.reply_kept else []
@@ -365,7 +374,7 @@ class Generation:
         if self.completed:
             return
         log, timeline = self.frames, self.timeline
-        if self._dropped + len(log) + len(frames) > self._max_frames:
+        if self._dropped + self._run_extra + len(log) + len(frames) > self._max_frames:
             raise self._too_many_events()
         self._bytes += sum(len(frame.raw) for frame in frames)
         if self._bytes > self._max_bytes:
@@ -400,11 +409,14 @@ class Generation:
         move each client's position back by what went. Not while the log is kept whole, a
         client is far behind (a non-streaming one reads at the end: nothing is read
         before) or every client left (a retry may still join in the grace period); tried
-        again after another eighth of ``keep_events``."""
+        again after another eighth of ``keep_events`` (events: a relayed run counts its
+        own)."""
         log, readers = self.frames, self._readers
         step = max(1, self._keep_events // 8)
         read = min((reader.position for reader in readers), default=0)
-        if not self._keep_whole and read >= step:
+        run_extra = self._run_extra and sum(
+            frame.count - 1 for frame in log[:read] if type(frame) is RelayedRun)
+        if not self._keep_whole and read + run_extra >= step:
             folded = fold_read(log[:read]) if self.reply_kept else []
             if not self.reply_kept or len(folded) > step:
                 # Not text (a flood of tool-call deltas): only what figures are read from
@@ -415,9 +427,11 @@ class Generation:
             gone = read - len(folded)
             for reader in readers:
                 reader.position -= gone
-            self._dropped += gone
+            self._dropped += gone + run_extra
+            self._run_extra -= run_extra
             self.whole = False
-        self._check_at = min(len(log) + step, self._max_frames - self._dropped)
+        self._check_at = min(len(log) + step,
+                             self._max_frames - self._dropped - self._run_extra)
 
     def _note(self, frame: Frame) -> None:
         """The progress a frame carries, and when the first progress and output came (the

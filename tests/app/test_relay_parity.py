@@ -545,6 +545,30 @@ def test_a_retry_joining_mid_stream_gets_every_event_from_the_start(relay: str) 
     assert text_of(events_of(answers["retry"])[1]).split() == REPLY.split()
 
 
+def test_a_retry_joins_a_stream_the_compiled_relay_delivered_and_reads_its_bytes() -> None:
+    """The compiled relay delivers its events to the log every 4 KiB here, each delivery
+    kept as one relayed run while the log is whole: a retry that joins after several reads
+    them from the start, each token event byte for byte as the engine sent it."""
+    words = " ".join(f"w{i}" for i in range(300))
+    config = FakeLlamaConfig(reply=words, token_delay_s=0.005)
+    with served("compiled", config, limits=ConnectionLimits(relay_hold_bytes=4096),
+                min_relayed=100) as proxy:
+        first = Reader(proxy.url, chat("join me", max_tokens=400), midway_after=150)
+        first.start()
+        assert first.midway.wait(20)
+        running = compiled_relay_of(proxy.http)
+        assert running is not None
+        assert running.deliveries >= 3, running.deliveries
+        with httpx.Client(timeout=60) as client:
+            retry = client.post(proxy.url + CHAT, json=chat("join me", max_tokens=400),
+                                headers={"x-stainless-retry-count": "1"}).content
+        answers = {"first": first.answer(), "retry": retry}
+        assert len(proxy.engine.requests) == 1
+        for answer in answers.values():
+            assert_the_engines_events(proxy, answer)
+    assert text_of(events_of(answers["retry"])[1]).split() == words.split()
+
+
 def test_a_slow_prefill_gets_heartbeats_with_progress(relay: str) -> None:
     """While the engine prefills, heartbeat comments carry its progress; the tokens follow."""
     config = FakeLlamaConfig(reply=REPLY, token_delay_s=0.002, prefill_s_per_token=0.01,
