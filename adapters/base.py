@@ -71,6 +71,10 @@ class UpstreamCall:
     path: str
     body: Mapping[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
+    # Told the engine's status (a final one, below 400) the moment its response head is
+    # read, from the read itself, where the transport can (``adapters.h1``): the opener
+    # returns a turn of the loop later. It must not raise.
+    on_head: Callable[[int], None] | None = None
 
 
 class RelayDoor(Protocol):

@@ -137,11 +137,13 @@ class H1Transport(httpx.AsyncBaseTransport):
 
     async def exchange(self, method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]],
                        content: bytes, timeouts: dict[str, float | None],
-                       request: httpx.Request | None = None) -> httpx.Response:
+                       request: httpx.Request | None = None, *,
+                       on_head: Callable[[int], None] | None = None) -> httpx.Response:
         """The request from its parts (a plain-HTTP URL; ``headers`` as they go on the
         wire, Host and Content-Length included), its response with the body to stream.
         ``request``: the httpx request it is, named by the errors (none for
-        ``adapters.http.EngineClient.open``, which sends without one)."""
+        ``adapters.http.EngineClient.open``, which sends without one); ``on_head``: told a
+        final status below 400 from the read of the head (``UpstreamCall.on_head``)."""
         if self._closed:
             raise RuntimeError("the transport is closed")
         key = (url.host, url.port or 80)
@@ -151,6 +153,7 @@ class H1Transport(httpx.AsyncBaseTransport):
                                         self.bounds)
         try:
             connection.send(method, url.raw_path, headers, content, request)
+            connection.on_head = on_head
             if connection.write_paused:
                 await connection.drain(timeouts.get("write"), request)
             await connection.head(timeouts.get("read"))
@@ -270,6 +273,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.keep_alive = False
         self.error: Exception | None = None
         self.sink_error: Exception | None = None
+        self.on_head: Callable[[int], None] | None = None  # (``H1Transport.exchange``)
         self._calm()
 
     # ---------------------------------------------------------------- the request
@@ -541,6 +545,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self._framed = True
         if self.status in _NO_BODY_STATUS:
             self._framed = True
+        if (on_head := self.on_head) is not None and status < 400:
+            on_head(status)
 
     def on_body(self, body: bytes) -> None:
         if self.complete:

@@ -119,7 +119,8 @@ class EngineClient(httpx.AsyncClient):
                 if name.lower() not in named] + headers
 
     async def open(self, method: str, url: httpx.URL, *, content: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> httpx.Response:
+                   headers: list[tuple[bytes, bytes]],
+                   on_head: Callable[[int], None] | None = None) -> httpx.Response:
         """``send_with_stale_retry(self, self.build_request(method, url, content=content,
         headers=headers))``, streamed: the same request on the wire. Where the transport
         is ``adapters.h1``'s and nothing of the client acts on the request (no hook, no
@@ -127,7 +128,8 @@ class EngineClient(httpx.AsyncClient):
         httpx's request and response machinery (building the request, its headers merged
         and normalised three times, the auth and redirect flows, the response's wrapper:
         a twentieth of the proxy's CPU at 256 streams of 100 tokens); the response has
-        no ``request`` then. ``url``: absolute, as ``build_request`` makes it."""
+        no ``request`` then, and ``on_head`` (``UpstreamCall.on_head``) is told the status
+        from the read of the head. ``url``: absolute, as ``build_request`` makes it."""
         transport = self._transport_for_url(url)
         if (not isinstance(transport, H1Transport) or url.scheme != "http"
                 or method not in _WRITTEN_METHODS or self._has_hooks() or self._acts_on(url)):
@@ -136,7 +138,7 @@ class EngineClient(httpx.AsyncClient):
         wire = self._wire_headers(url, headers, len(content))
         timeouts = self.timeout.as_dict()
         return await retry_stale(
-            lambda: transport.exchange(method, url, wire, content, timeouts),
+            lambda: transport.exchange(method, url, wire, content, timeouts, on_head=on_head),
             retry_read_error=True)
 
     def _wire_headers(self, url: httpx.URL, headers: list[tuple[bytes, bytes]],

@@ -110,7 +110,8 @@ class LlamaServerAdapter:
             url, content = self._url(call.path), encode_json(call.body)
             headers = _header_bytes({**call.headers, "content-type": "application/json"})
             if isinstance(self.http, EngineClient):
-                response = await self.http.open("POST", url, content=content, headers=headers)
+                response = await self.http.open("POST", url, content=content, headers=headers,
+                                                on_head=call.on_head)
             else:
                 request = self.http.build_request("POST", url, content=content, headers=headers)
                 response = await send_with_stale_retry(self.http, request)

@@ -137,6 +137,7 @@ class Generation:
         # the answer, the Redis tap); with no event asked for, a change costs the calls.
         self._wakeup: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
+        self._head_listeners: list[Callable[[], None]] = []
         self._subscribers = 0
         self._subscribed = False  # some client read it (and so can have left it)
         self._grace_handle: asyncio.TimerHandle | None = None
@@ -444,10 +445,33 @@ class Generation:
         if frame.has_output and timeline.first_output is None:
             timeline.first_output = time.monotonic()
 
+    def listen_for_head(self, listener: Callable[[], None]) -> None:
+        """``listener()`` once, when the head is known (at once if it is), called by the
+        change itself: a waiter woken from here is one turn of the loop sooner than
+        through the future's callbacks (``asyncio.wait`` takes two). It must not raise."""
+        if self.head.done():
+            listener()
+        else:
+            self._head_listeners.append(listener)
+
+    def unlisten_for_head(self, listener: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._head_listeners.remove(listener)
+
+    def engine_answered(self, status: int) -> None:
+        """The engine's response head was read (``UpstreamCall.on_head``: a final status
+        below 400), before the opener returns: the clients waiting for the head go on now.
+        An error status waits for its body (``_consume``)."""
+        if status < 400:
+            self._set_head(Head(status))
+
     def _set_head(self, head: Head) -> None:
         if not self.head.done():
             self.timeline.head = time.monotonic()
             self.head.set_result(head)
+            listeners, self._head_listeners = self._head_listeners, []
+            for listener in listeners:
+                listener()
 
     def _fail(self, exc: ProxyError) -> None:
         if self.error is None:

@@ -74,12 +74,26 @@ async def _early_error(generation: Generation, arrival: float,
     Part of the first-byte budget is kept back for sending the headers themselves.
     """
     budget = first_byte_s * 0.6 - (time.monotonic() - arrival)
-    if budget <= 0:
-        return None
-    # asyncio.wait leaves the future alone on timeout (no shield needed) and wakes this
-    # task straight from its callback, without wait_for's extra hops through the loop.
-    done, _ = await asyncio.wait((generation.head,), timeout=budget)
-    return generation.head.result().error if done else None
+    head = generation.head
+    if budget > 0 and not head.done():
+        # Woken by the head's arrival itself, or the budget's end: the head's future is
+        # the generation's, never cancelled here; and its callbacks would wake this task
+        # a turn of the loop later (asyncio.wait's, two turns): under load, a turn's wait
+        # is milliseconds of the first event's.
+        waiter = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        generation.listen_for_head(wake)
+        timer = asyncio.get_running_loop().call_later(budget, wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            generation.unlisten_for_head(wake)
+    return head.result().error if head.done() else None
 
 
 class LiveStream(StreamResponse):

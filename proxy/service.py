@@ -340,7 +340,8 @@ class ProxyService:
         adapter = self.backend.adapter
         if plan.want is None or self.pool is None:
             call = adapter.prepare(plan.path, plan.body, slot=None)
-            async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
+            async with adapter.open_stream(_for_generation(call, plan.headers,
+                                                           generation)) as upstream:
                 yield upstream
             return
         waited = time.monotonic()
@@ -360,7 +361,8 @@ class ProxyService:
                 plan.slot = lease.slot
                 await self.planner.on_lease(plan, lease)
                 call = adapter.prepare(plan.path, plan.body, slot=lease.slot)
-                async with adapter.open_stream(_with_headers(call, plan.headers)) as upstream:
+                async with adapter.open_stream(_for_generation(call, plan.headers,
+                                                               generation)) as upstream:
                     yield upstream
 
     def _record(self, plan: Plan, client: ClientRequest, codec: Codec,
@@ -513,8 +515,11 @@ def _forwarded_headers(headers: Mapping[str, str],
                if name in headers and name not in CREDENTIAL_HEADERS}, **engine_credentials}
 
 
-def _with_headers(call: UpstreamCall, headers: Mapping[str, str]) -> UpstreamCall:
-    return UpstreamCall(call.path, call.body, {**headers, **call.headers})
+def _for_generation(call: UpstreamCall, headers: Mapping[str, str],
+                    generation: Generation) -> UpstreamCall:
+    """``call`` with the plan's headers, whose head goes straight to ``generation``."""
+    return UpstreamCall(call.path, call.body, {**headers, **call.headers},
+                        on_head=generation.engine_answered)
 
 
 def _outcome(exc: ProxyError) -> str:

@@ -548,6 +548,42 @@ def test_open_retries_a_stale_keep_alive_connection_once() -> None:
     asyncio.run(run())
 
 
+def test_open_tells_the_final_head_below_400_from_its_read() -> None:
+    """``on_head`` hears the status from the read of the head (before ``open`` returns,
+    a turn of the loop later), after any interim answer, and not an error status, whose
+    body the caller reads first."""
+    async def run() -> list[tuple[int, bool]]:
+        answers = [b"HTTP/1.1 100 Continue\r\n\r\n" + SSE_HEAD + chunk(b"data: x\n\n")
+                   + b"0\r\n\r\n",
+                   b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}"]
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for each in answers:
+                await read_request(reader)
+                writer.write(each)
+                await writer.drain()
+
+        told: list[tuple[int, bool]] = []
+        opened = [False]  # whether ``open`` had returned when the head was told
+
+        def on_head(status: int) -> None:
+            told.append((status, opened[0]))
+
+        async with server(answer) as (url, _), EngineClient(
+                base_url=url, transport=H1Transport()) as http:
+            target = http.build_request("POST", "/v1/chat/completions").url
+            for _ in answers:
+                response = await http.open("POST", target, content=b"{}", headers=[],
+                                           on_head=on_head)
+                opened[0] = True
+                await response.aread()
+                await response.aclose()
+                opened[0] = False
+        return told
+
+    assert asyncio.run(run()) == [(200, False)]
+
+
 def head_answer(head_bytes: Callable[[asyncio.StreamWriter], Awaitable[None]],
                 bounds: EngineBounds | None = None) -> BaseException | httpx.Response:
     """What reading a response whose head ``head_bytes`` writes gives: the error raised,

@@ -5,19 +5,24 @@ change event; the OpenAI encoder's fast path. (A client's stream: ``test_live_st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import pytest
 
+from prefixpin.adapters.base import UpstreamStream
 from prefixpin.adapters.llama_native import NativeClassifier
 from prefixpin.adapters.openai_sse import classify, classify_whole
-from prefixpin.core.errors import UpstreamProtocolError
+from prefixpin.core.errors import ProxyError, UpstreamProtocolError
 from prefixpin.core.figures import figures_from
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import SSEDecoder
 from prefixpin.proxy.codecs.openai_sse import ClientView
 from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.relay import _early_error
 from prefixpin.proxy.validation import parse_request
 
 ENVELOPE = {"id": "c1", "created": 1, "model": "m", "object": "chat.completion.chunk"}
@@ -178,6 +183,60 @@ def test_changed_is_set_at_the_next_change_only() -> None:
         assert not generation.changed().is_set()
 
     asyncio.run(run())
+
+
+class SilentStream:
+    """An engine's answer whose head came and whose events never do."""
+
+    status_code = 200
+    content_type = "text/event-stream"
+    pusher = None
+
+    async def aread_error(self) -> bytes:
+        return b""
+
+    async def aiter_frames(self) -> AsyncIterator[Frame]:
+        await asyncio.Event().wait()
+        yield Frame(FrameKind.PING, b"")  # pragma: no cover
+
+
+def test_the_first_byte_wait_wakes_a_turn_of_the_loop_after_the_head() -> None:
+    """The stream's response waits for the engine's head (or its error) up to the first
+    byte's budget: woken by the head's arrival itself, one turn of the loop later, where
+    the future's callbacks took two (under load, each turn is milliseconds of the first
+    event's)."""
+    async def run() -> tuple[int, int, ProxyError | None]:
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+
+        @contextlib.asynccontextmanager
+        async def opener(generation: Generation) -> AsyncIterator[UpstreamStream]:
+            yield cast(UpstreamStream, SilentStream())
+
+        async def wait_for_head() -> tuple[int, ProxyError | None]:
+            error = await _early_error(generation, time.monotonic(), 10.0)
+            return turns, error
+
+        generation = Generation(opener, grace_s=0)
+        headed: list[int] = []
+        generation.listen_for_head(lambda: headed.append(turns))
+        counter = asyncio.create_task(count_turns())
+        waiting = asyncio.create_task(wait_for_head())
+        await asyncio.sleep(0)
+        generation.start()
+        woke, error = await waiting
+        counter.cancel()
+        await generation.aclose()
+        return headed[0], woke, error
+
+    headed, woke, error = asyncio.run(run())
+    assert error is None
+    assert woke - headed <= 1, (headed, woke)
 
 
 PLAIN_SHAPES: list[dict[str, Any]] = [
