@@ -19,6 +19,7 @@ body within ``body_timeout_s`` of its head (a 408 and close otherwise).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,18 @@ class TooManyChunksError(Exception):
     """Raised from the parser's callback to stop it reading the rest of a refused body."""
 
 
+def _quiet_after_parser_stop(logger: logging.Logger,
+                             stopped: Callable[[], bool]) -> logging.Logger:
+    """One connection's child of uvicorn's logger (its records go to the same handlers),
+    less the warning uvicorn logs for the parser error a refusal raised to stop the parser
+    (``TooManyChunksError``: uvicorn takes it for an invalid request). The refusal logged
+    its own line; ``stopped()`` says whether the next warning is that one, and forgets it."""
+    quiet = logging.Logger(logger.name)
+    quiet.parent = logger
+    quiet.addFilter(lambda record: not (record.levelno == logging.WARNING and stopped()))
+    return quiet
+
+
 def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -123,6 +136,7 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
         _deadline: Any = None  # the head's or the body's timer (asyncio.TimerHandle)
         _body_chunks = 0
         _dropped = 0  # bytes read and dropped since the refusal
+        _parser_stopped = False  # raised from the parser's callback: uvicorn logs no line
 
         def connection_made(self, transport: Any) -> None:
             cls = type(self)
@@ -130,6 +144,7 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             if batch is None or batch.loop is not self.loop:
                 batch = cls._write_batch = WriteBatch(self.loop)
             super().connection_made(BatchedTransport(transport, batch))
+            self.logger = _quiet_after_parser_stop(self.logger, self._take_parser_stop)
             if len(self.connections) > limits.max_connections:
                 self.logger.warning("connection refused: %d open on this listener",
                                     limits.max_connections)
@@ -240,7 +255,12 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                     f"request body sent in more than {limits.max_body_chunks} chunks",
                     "too_many_chunks"))
                 self._count("body_chunks")
+                self._parser_stopped = True
                 raise TooManyChunksError
+
+        def _take_parser_stop(self) -> bool:
+            stopped, self._parser_stopped = self._parser_stopped, False
+            return stopped
 
         def send_400_response(self, msg: str) -> None:
             if self._refused:  # (the parser stopped at a refusal: its answer is out)

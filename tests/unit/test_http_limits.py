@@ -9,6 +9,7 @@ happen every time instead of now and then.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -276,6 +277,30 @@ async def test_a_read_of_one_byte_chunks_stops_at_the_bound() -> None:
     assert status_of(bytes(transport.out)) == 413
     assert 1000 <= sum(received) <= 1001  # (the last chunk's header is one more allowed)
     protocol.connection_lost(None)
+
+
+@pytest.mark.anyio
+async def test_a_chunk_bound_refusal_is_logged_once_not_also_as_an_invalid_request(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The refusal stops the parser with an exception from its callback, which uvicorn
+    would log as an invalid request besides the refusal's own line: one line, and uvicorn's
+    other warnings on the connection still reach its logger."""
+    server_log = logging.getLogger("uvicorn.error")
+    protocol, transport = connected(body_length_app, ConnectionLimits(max_body_chunks=8))
+    other, _ = connected(body_length_app)  # (each sets uvicorn's log level: first)
+    server_log.addHandler(caplog.handler)  # (uvicorn's loggers do not propagate to root)
+    try:
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            protocol.data_received(chunked([b"{}"] * 20))
+            await answer_of(transport)
+            other.data_received(b"NOT HTTP\r\n\r\n")
+    finally:
+        server_log.removeHandler(caplog.handler)
+        protocol.connection_lost(None)
+        other.connection_lost(None)
+    lines = [record.getMessage() for record in caplog.records]
+    assert status_of(bytes(transport.out)) == 413
+    assert lines == ["request body in over 8 chunks refused", "Invalid HTTP request received."]
 
 
 @pytest.mark.anyio
