@@ -4,7 +4,8 @@ send heads a few bytes a second, flood, and send oversized requests (issue 33).
     python bench/hostile.py [--healthy 256] [--idle 1000] [--slowloris 100] [--floods 10]
                             [--oversized 20] [--flood-mib 16] [--rounds 2] [--waves 3]
                             [--head-timeout 5] [--max-connections 2048] [--past-limit 64]
-                            [--no-direct-floods] [--out bench/results/hostile]
+                            [--no-direct-floods] [--no-direct-attacked]
+                            [--out bench/results/hostile]
 
 One fast fake llama-server (``bench/fast_engine.py``) and one prefixpin process in front of
 it (``python -m prefixpin.proxy.cli serve --upstream URL --port P --head-timeout S
@@ -12,7 +13,7 @@ it (``python -m prefixpin.proxy.cli serve --upstream URL --port P --head-timeout
 ``bench/load.py`` starts them, on loopback. The healthy streams are ``bench/load.py``'s:
 ``--healthy`` stream slots, each running ``--waves`` requests back to back on a keep-alive
 connection, started staggered over one stream's length, every event of every stream
-checked (no loss, repeat or reordering, ``[DONE]`` at the end). Four arms, each round
+checked (no loss, repeat or reordering, ``[DONE]`` at the end). Five arms, each round
 running them in turn (the order flipped every round, same processes, same machine phase):
 
 - ``direct``: the healthy streams straight to the fake (the added-latency baseline);
@@ -32,7 +33,11 @@ running them in turn (the order flipped every round, same processes, same machin
   (a 408 at ``--head-timeout``) is opened again at once;
 - ``direct_flood`` (unless ``--no-direct-floods``): the healthy streams and the flood
   clients, both straight to the fake: what the floods cost on this machine (the fake's
-  writes, the reader's reads, the cores they take) without the proxy.
+  writes, the reader's reads, the cores they take) without the proxy;
+- ``direct_attacked`` (unless ``--no-direct-attacked``): the healthy streams straight to
+  the fake while the attackers attack the proxy, as in ``hostile``: what the attack costs
+  the healthy streams' client and the fake on these shared cores when the proxy is not on
+  their path (the machine's share of ``hostile``'s added latency, reported beside it).
 
 After the rounds, the connection limit: ``--max-connections`` + ``--past-limit``
 connections opened at once to the tenant listener (the healthy clients idle), the answers
@@ -42,7 +47,8 @@ all closed and the tenant listener's ``/healthz`` asked again.
 Reported: per arm every healthy stream's integrity; the healthy streams' added p99 first
 event and last byte (the proxy arm's percentile minus the direct arm's), with and without
 the attackers, and their ratio (target: within 2x; taken against at least 1 ms) and
-against the issue's 50 ms; the longest silence of each healthy stream between two reads
+against the issue's 50 ms; beside them (report only) the hostile arm against
+``direct_attacked`` instead of ``direct``, the machine's share left out; the longest silence of each healthy stream between two reads
 after its first (a stall: a token is due every ``--token-delay-ms``); how each
 attacker was answered, as the attackers saw it and as the proxy counted it
 (``prefixpin_limit_refusals_total{limit}`` on its operator listener, ``port + 1``); the
@@ -111,6 +117,7 @@ T = TypeVar("T")
 
 ARMS = ("direct", "calm", "hostile")
 DIRECT_FLOOD = "direct_flood"  # the healthy streams and the floods, both to the fake
+DIRECT_ATTACKED = "direct_attacked"  # the healthy streams to the fake, the proxy attacked
 # The proxy's defaults: what the oversized payloads exceed.
 DEFAULT_MAX_BODY: int = Settings.model_fields["max_body_bytes"].default
 DEFAULT_MAX_JSON_VALUES: int = Settings.model_fields["max_json_values"].default
@@ -640,10 +647,12 @@ class Run:
     logs: Path
     direct_floods: bool = False  # the direct_flood arm too
     attackers_nice: int = 0  # the attacker process's niceness (0: as the bench's own)
+    direct_attacked: bool = False  # the direct_attacked arm too
 
     @property
     def arms(self) -> tuple[str, ...]:
-        return (*ARMS, DIRECT_FLOOD) if self.direct_floods else ARMS
+        return (*ARMS, *((DIRECT_FLOOD,) if self.direct_floods else ()),
+                *((DIRECT_ATTACKED,) if self.direct_attacked else ()))
 
 
 async def measure(run: Run, ports: dict[str, int], pids: dict[str, int]) -> dict[str, Any]:
@@ -667,9 +676,9 @@ async def measure(run: Run, ports: dict[str, int], pids: dict[str, int]) -> dict
             counted: dict[str, float] = {}
             sampler = RssSampler(pids["proxy"])
             sampler.start()
-            if arm == "hostile":
+            if arm in ("hostile", DIRECT_ATTACKED):
                 counted = refusals(admin)
-                attackers = Attackers(run.attack, run.logs / f"attack-{index}.log",
+                attackers = Attackers(run.attack, run.logs / f"attack-{arm}-{index}.log",
                                       run.attackers_nice)
                 await loop.run_in_executor(None, attackers.wait_ready)
             elif arm == DIRECT_FLOOD:
@@ -679,7 +688,8 @@ async def measure(run: Run, ports: dict[str, int], pids: dict[str, int]) -> dict
                 attackers = Attackers(floods, run.logs / f"attack-direct-{index}.log",
                                       run.attackers_nice)
                 await loop.run_in_executor(None, attackers.wait_ready)
-            port = ports["direct" if arm in ("direct", DIRECT_FLOOD) else "proxy"]
+            port = ports["direct" if arm in ("direct", DIRECT_FLOOD, DIRECT_ATTACKED)
+                         else "proxy"]
             gaps: list[float] = []
             gc.collect()
             gc.disable()  # the client's own collector stays out of the timings
@@ -696,7 +706,7 @@ async def measure(run: Run, ports: dict[str, int], pids: dict[str, int]) -> dict
             record = Round(arm, index, streams, gaps, wall, {})
             if attackers is not None:
                 record.attack = await loop.run_in_executor(None, attackers.stop)
-            if arm == "hostile":
+            if arm in ("hostile", DIRECT_ATTACKED):
                 await asyncio.sleep(0.3)  # the refusals of the last moment are counted
                 after = refusals(admin)
                 record.refusals = {k: after[k] - counted.get(k, 0.0) for k in after
@@ -863,6 +873,16 @@ def summarise(run: Run, measured: dict[str, Any]) -> dict[str, Any]:
     added["stall_p99"] = {"direct_ms": arms["direct"]["stall_p99_ms"],
                           "calm_ms": arms["calm"]["stall_p99_ms"],
                           "hostile_ms": arms["hostile"]["stall_p99_ms"]}
+    if DIRECT_ATTACKED in arms:
+        # The proxy's own share under attack: the hostile arm against the direct one under
+        # the same attack, not against the calm direct one.
+        for name in ("first_event", "last_byte"):
+            attacked = arms[DIRECT_ATTACKED][f"{name}_p99_ms"]
+            row = added[f"{name}_p99"]
+            row["machine_ms"] = round(attacked - arms["direct"][f"{name}_p99_ms"], 1)
+            row["hostile_over_attacked_ms"] = own = round(
+                arms["hostile"][f"{name}_p99_ms"] - attacked, 1)
+            row["ratio_over_attacked"] = ratio(own, row["calm_ms"])
     result["added"] = added
     if DIRECT_FLOOD in arms:
         flooded, direct = arms[DIRECT_FLOOD], arms["direct"]
@@ -917,6 +937,15 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
                          row["ratio"] <= TARGET_RATIO))
         out.append(check(f"added p99 {label} with the attackers", f"≤ {TARGET_ADDED_MS:g} ms",
                          f"{row['hostile_ms']} ms", row["hostile_ms"] <= TARGET_ADDED_MS))
+    for name, label in (("first_event", "first event"), ("last_byte", "last byte")):
+        row = added[f"{name}_p99"]
+        if "machine_ms" in row:
+            out.append(check(
+                f"p99 {label}: what the attack adds with the proxy off the healthy streams' "
+                "path (direct_attacked minus direct), and the hostile arm against "
+                "direct_attacked, against the calm arm's added", "-",
+                f"+{row['machine_ms']} ms; {row['hostile_over_attacked_ms']} ms against "
+                f"{row['calm_ms']} ms ({row['ratio_over_attacked']}x)", None))
     alone = result.get("floods_without_proxy")
     if alone is not None:
         out.append(check("what the floods alone cost the healthy streams without the proxy "
@@ -1142,6 +1171,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fourth arm: the healthy streams and the floods, both straight "
                              "to the fake (what the floods cost on this machine without the "
                              "proxy)")
+    parser.add_argument("--direct-attacked", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="an arm with the healthy streams straight to the fake while the "
+                             "attackers attack the proxy (what the attack costs on this "
+                             "machine with the proxy off their path)")
     parser.add_argument("--attackers-nice", type=int, default=0,
                         help="run the attacker process at this niceness: on a small box it "
                              "stands for attackers on other machines, whose own CPU is not "
@@ -1196,7 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
             oversized_kinds=args.oversized_kinds,
             max_body=max_body, max_json_values=max_json_values)
         run = Run(plan, args.rounds, config, args.max_connections, args.past_limit, logs,
-                  args.direct_floods, args.attackers_nice)
+                  args.direct_floods, args.attackers_nice, args.direct_attacked)
         measured = run_async(measure(run, ports, pids))
         measured["end"]["proxy_process_alive"] = alive(pids["proxy"])
     result = summarise(run, measured)

@@ -53,7 +53,7 @@ def test_a_tiny_hostile_run_serves_every_healthy_stream_and_answers_every_attack
         tmp_path, "--healthy", "8", "--idle", "20", "--slowloris", "4", "--floods", "1",
         "--oversized", "5", "--flood-mib", "2", "--events", "50", "--waves", "2",
         "--rounds", "1", "--head-timeout", "1", "--max-connections", "64",
-        "--past-limit", "8", "--no-direct-floods")
+        "--past-limit", "8", "--no-direct-floods", "--no-direct-attacked")
     for arm, figures in result["arms"].items():
         assert figures["streams"] == 16, arm
         assert figures["streams_failed"] == 0, (arm, figures["first_failure"])
@@ -96,7 +96,7 @@ def flood_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp_path_factory.mktemp("flood"), "--healthy", "16", "--idle", "0", "--slowloris",
         "0", "--floods", "1", "--oversized", "0", "--flood-mib", str(FLOOD_MIB),
         "--flood-gap", "1.0", "--events", "50", "--waves", "2", "--rounds", "1",
-        "--past-limit", "0", "--direct-floods",
+        "--past-limit", "0", "--direct-floods", "--no-direct-attacked",
         # Every flood read to its end: the default --max-reply-events would cut it short.
         "--proxy-arg=--max-reply-events=1000000")
     arms = result["arms"]
