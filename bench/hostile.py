@@ -48,13 +48,14 @@ Reported: per arm every healthy stream's integrity; the healthy streams' added p
 event and last byte (the proxy arm's percentile minus the direct arm's), with and without
 the attackers, and their ratio (target: within 2x; taken against at least 1 ms) and
 against the issue's 50 ms; beside them (report only) the hostile arm against
-``direct_attacked`` instead of ``direct``, the machine's share left out; the longest silence of each healthy stream between two reads
-after its first (a stall: a token is due every ``--token-delay-ms``); how each
-attacker was answered, as the attackers saw it and as the proxy counted it
-(``prefixpin_limit_refusals_total{limit}`` on its operator listener, ``port + 1``); the
-proxy's RSS before each round and its peak over it (``VmHWM``, reset before it through
-``/proc/PID/clear_refs``), the run's peak and the RSS after the run; the proxy up
-and answering ``/healthz`` at the end. RUN.md and result.json go to ``--out``.
+``direct_attacked`` instead of ``direct``, the machine's share left out; the longest
+silence of each healthy stream between two reads after its first (a stall: a token is
+due every ``--token-delay-ms``); how each attacker was answered, as the attackers saw it
+and as the proxy counted it (``prefixpin_limit_refusals_total{limit}`` on its operator
+listener, ``port + 1``); the proxy's RSS before each round and its peak over it
+(``VmHWM``, reset before it through ``/proc/PID/clear_refs``), the run's peak and the RSS
+after the run; the proxy up and answering ``/healthz`` at the end. RUN.md and result.json
+go to ``--out``.
 
 The process's file-descriptor soft limit is raised to what the run needs (the proxy and the
 attackers inherit it); past the hard limit the run stops at once and says so.
