@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
 
+# The event bytes of one engine reply (``--max-reply-bytes``): 512 bytes for each of
+# ``--max-reply-events``' default events, more than any token event of an engine we serve.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+
 
 class RelayHold(Protocol):
     """A taker's hold on the stream's token events while a relay outside the log writes
@@ -65,9 +69,7 @@ class StreamTaker(Protocol):
         """Take the engine connection's offer: the hold, or None when this client cannot
         be written directly now."""
         ...
-# The event bytes of one engine reply (``--max-reply-bytes``): 512 bytes for each of
-# ``--max-reply-events``' default events, more than any token event of an engine we serve.
-MAX_REPLY_BYTES = 64 * 1024 * 1024
+
 
 # Read per frame: globals, not enum lookups.
 _ERROR, _DONE, _CHUNK = FrameKind.ERROR, FrameKind.DONE, FrameKind.CHUNK

@@ -80,14 +80,15 @@ async def _early_error(generation: Generation, arrival: float,
         # the generation's, never cancelled here; and its callbacks would wake this task
         # a turn of the loop later (asyncio.wait's, two turns): under load, a turn's wait
         # is milliseconds of the first event's.
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
 
         def wake() -> None:
             if not waiter.done():
                 waiter.set_result(None)
 
         generation.listen_for_head(wake)
-        timer = asyncio.get_running_loop().call_later(budget, wake)
+        timer = loop.call_later(budget, wake)
         try:
             await waiter
         finally:
