@@ -53,12 +53,20 @@ def test_a_tiny_hostile_run_serves_every_healthy_stream_and_answers_every_attack
         tmp_path, "--healthy", "8", "--idle", "20", "--slowloris", "4", "--floods", "1",
         "--oversized", "5", "--flood-mib", "2", "--events", "50", "--waves", "2",
         "--rounds", "1", "--head-timeout", "1", "--max-connections", "64",
-        "--past-limit", "8", "--no-direct-floods", "--no-direct-attacked")
+        "--past-limit", "8", "--no-direct-floods")
+    assert set(result["arms"]) == {"direct", "calm", "hostile", "direct_attacked"}
     for arm, figures in result["arms"].items():
         assert figures["streams"] == 16, arm
         assert figures["streams_failed"] == 0, (arm, figures["first_failure"])
         assert (figures["lost"], figures["duplicated"], figures["reordered"]) == (0, 0, 0), arm
     assert result["healthy_intact"]
+    # The machine's share, with the proxy off the healthy streams' path, and the hostile
+    # arm against it: reported beside the verdict's figures.
+    first = result["added"]["first_event_p99"]
+    assert first["hostile_over_attacked_ms"] == round(
+        result["arms"]["hostile"]["first_event_p99_ms"]
+        - result["arms"]["direct_attacked"]["first_event_p99_ms"], 1)
+    assert "machine_ms" in first
     answers = result["answers"]
     # Every kind attacked and answered as its limit says: a 408 at the head deadline for
     # the idle and slowloris connections, 413 for the bodies, 431 for the head, and the
