@@ -535,14 +535,21 @@ def test_a_retry_joining_mid_stream_gets_every_event_from_the_start(relay: str) 
         assert first.midway.wait(10)
         if relay == "compiled":
             assert wait_for(lambda: proxy.held == 1)  # the relay holds the first stream now
-        with httpx.Client(timeout=60) as client:
-            retry = client.post(proxy.url + CHAT, json=chat("join me"),
-                                headers={"x-stainless-retry-count": "1"}).content
-        answers = {"first": first.answer(), "retry": retry}
-        assert len(proxy.engine.requests) == 1
-        for answer in answers.values():
-            assert_the_engines_events(proxy, answer)
-    assert text_of(events_of(answers["retry"])[1]).split() == REPLY.split()
+        retry = joined_retry(proxy, first, chat("join me"))
+    assert text_of(events_of(retry)[1]).split() == REPLY.split()
+
+
+def joined_retry(proxy: Served, first: Reader, body: dict[str, Any]) -> bytes:
+    """A retry of ``body`` (marked as the SDKs mark theirs) while ``first`` streams it: one
+    engine request served both, each got the engine's events; the retry's answer."""
+    with httpx.Client(timeout=60) as client:
+        retry = client.post(proxy.url + CHAT, json=body,
+                            headers={"x-stainless-retry-count": "1"}).content
+    answers = [first.answer(), retry]
+    assert len(proxy.engine.requests) == 1
+    for answer in answers:
+        assert_the_engines_events(proxy, answer)
+    return retry
 
 
 def test_a_retry_joins_a_stream_the_compiled_relay_delivered_and_reads_its_bytes() -> None:
@@ -559,14 +566,8 @@ def test_a_retry_joins_a_stream_the_compiled_relay_delivered_and_reads_its_bytes
         running = compiled_relay_of(proxy.http)
         assert running is not None
         assert running.deliveries >= 3, running.deliveries
-        with httpx.Client(timeout=60) as client:
-            retry = client.post(proxy.url + CHAT, json=chat("join me", max_tokens=400),
-                                headers={"x-stainless-retry-count": "1"}).content
-        answers = {"first": first.answer(), "retry": retry}
-        assert len(proxy.engine.requests) == 1
-        for answer in answers.values():
-            assert_the_engines_events(proxy, answer)
-    assert text_of(events_of(answers["retry"])[1]).split() == words.split()
+        retry = joined_retry(proxy, first, chat("join me", max_tokens=400))
+    assert text_of(events_of(retry)[1]).split() == words.split()
 
 
 def test_a_slow_prefill_gets_heartbeats_with_progress(relay: str) -> None:
