@@ -273,9 +273,11 @@ class Generation:
         if subscriber.position != len(log):
             raise RuntimeError("the relay's client was behind the log")
         # Past a bound, written already but not kept: counted, so that what the engine
-        # sends next is refused too, whichever path reads it.
+        # sends next is refused too, whichever path reads it (the next frame takes the long
+        # way, ``take_frames``, where the bound is checked).
         if self._dropped + self._run_extra + len(log) + count > self._max_frames:
             self._dropped += count
+            self._check_at = 0
             raise self._too_many_events()
         self._bytes += len(events)
         if self._bytes > self._max_bytes:

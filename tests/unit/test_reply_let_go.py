@@ -226,6 +226,12 @@ async def test_events_the_compiled_relay_delivered_fold_into_a_let_go_log() -> N
         generation.take_delivered(shape, delivered(0, 3), 3, b'd0 "', reader)
 
 
+def token(text: str) -> Frame:
+    """A streamed token's frame, as the adapter makes it."""
+    (frame,) = frames_of(chunk({"content": text}))
+    return frame
+
+
 async def test_relayed_runs_count_their_events_for_the_whole_log_and_the_bound() -> None:
     """A relayed run is one frame of many events: the log is kept whole for
     ``keep_events`` events, not frames, then folds them (a client's position moves back by
@@ -252,7 +258,13 @@ async def test_relayed_runs_count_their_events_for_the_whole_log_and_the_bound()
     assert message["content"] == "".join(f"d{i} " for i in range(KEEP + 50))
     bounded = Generation(never_opened, grace_s=0, keep_events=4 * KEEP, max_frames=2 * KEEP)
     first = bounded.subscribe()
+    bounded.take_frames([token("first")])  # the first output came through Python
+    first.take_ready(1)
     deliver(bounded, first, 0, 2 * KEEP - 10)
     assert bounded.whole
     with pytest.raises(UpstreamProtocolError, match="--max-reply-events"):
         deliver(bounded, first, 2 * KEEP - 10, 20)
+    # Refused once, refused on either path: the next token read by Python is refused too,
+    # not taken by the log's shortcut for a streamed token.
+    with pytest.raises(UpstreamProtocolError, match="--max-reply-events"):
+        bounded.take_frame(token("late"))
