@@ -55,10 +55,12 @@ measured against its direct non-streamed answers in ``tests/e2e/test_dropin_llam
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixpin.adapters.base import Frame, FrameKind
 from prefixpin.core.figures import may_carry_figures
+
+F = TypeVar("F", bound=Frame)
 
 # Top-level chunk fields a non-streamed answer never has.
 STREAM_ONLY = frozenset({"prompt_progress"})
@@ -164,8 +166,12 @@ def fold_read(frames: Sequence[Frame]) -> list[Frame]:
 def text_chunk(field: str, text: str) -> Frame:
     """An output chunk whose only content is ``text`` in choice 0's delta ``field``: the
     folded run of many (``fold_read``). No client reads its bytes (there are none)."""
-    frame = Frame(FrameKind.CHUNK, b"", {"choices": [{"index": 0, "delta": {field: text}}]},
-                  has_output=True, finish=False)
+    return _text_delta(Frame, field, text, b"")
+
+
+def _text_delta(kind: type[F], field: str, text: str, raw: bytes) -> F:
+    frame = kind(FrameKind.CHUNK, raw, {"choices": [{"index": 0, "delta": {field: text}}]},
+                 has_output=True, finish=False)
     frame.delta_field, frame.delta_text, frame.figured = field, text, False
     return frame
 
@@ -182,9 +188,7 @@ class RelayedRun(Frame):
 
 
 def relayed_run(field: str, text: str, raw: bytes, count: int) -> RelayedRun:
-    frame = RelayedRun(FrameKind.CHUNK, raw, {"choices": [{"index": 0, "delta": {field: text}}]},
-                       has_output=True, finish=False)
-    frame.delta_field, frame.delta_text, frame.figured = field, text, False
+    frame = _text_delta(RelayedRun, field, text, raw)
     frame.count = count
     return frame
 
