@@ -107,15 +107,23 @@ class TooManyChunksError(Exception):
     """Raised from the parser's callback to stop it reading the rest of a refused body."""
 
 
-def _quiet_after_parser_stop(logger: logging.Logger,
-                             stopped: Callable[[], bool]) -> logging.Logger:
-    """One connection's child of uvicorn's logger (its records go to the same handlers),
-    less the warning uvicorn logs for the parser error a refusal raised to stop the parser
-    (``TooManyChunksError``: uvicorn takes it for an invalid request). The refusal logged
-    its own line; ``stopped()`` says whether the next warning is that one, and forgets it."""
+def _without_next_warning(logger: logging.Logger) -> logging.Logger:
+    """A child of ``logger`` (its records go to the same handlers) that drops the next
+    warning: the one uvicorn logs for the parser error a refusal raises to stop the parser
+    (``TooManyChunksError``: uvicorn takes it for an invalid request), which logged its
+    own line."""
+    dropped = False
+
+    def keep(record: logging.LogRecord) -> bool:
+        nonlocal dropped
+        if dropped or record.levelno != logging.WARNING:
+            return True
+        dropped = True
+        return False
+
     quiet = logging.Logger(logger.name)
     quiet.parent = logger
-    quiet.addFilter(lambda record: not (record.levelno == logging.WARNING and stopped()))
+    quiet.addFilter(keep)
     return quiet
 
 
@@ -136,7 +144,6 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
         _deadline: Any = None  # the head's or the body's timer (asyncio.TimerHandle)
         _body_chunks = 0
         _dropped = 0  # bytes read and dropped since the refusal
-        _parser_stopped = False  # raised from the parser's callback: uvicorn logs no line
 
         def connection_made(self, transport: Any) -> None:
             cls = type(self)
@@ -144,7 +151,6 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             if batch is None or batch.loop is not self.loop:
                 batch = cls._write_batch = WriteBatch(self.loop)
             super().connection_made(BatchedTransport(transport, batch))
-            self.logger = _quiet_after_parser_stop(self.logger, self._take_parser_stop)
             if len(self.connections) > limits.max_connections:
                 self.logger.warning("connection refused: %d open on this listener",
                                     limits.max_connections)
@@ -255,12 +261,9 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                     f"request body sent in more than {limits.max_body_chunks} chunks",
                     "too_many_chunks"))
                 self._count("body_chunks")
-                self._parser_stopped = True
+                # (This connection only, and only now: the refusal closes it.)
+                self.logger = _without_next_warning(self.logger)
                 raise TooManyChunksError
-
-        def _take_parser_stop(self) -> bool:
-            stopped, self._parser_stopped = self._parser_stopped, False
-            return stopped
 
         def send_400_response(self, msg: str) -> None:
             if self._refused:  # (the parser stopped at a refusal: its answer is out)
