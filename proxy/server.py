@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Generator
@@ -19,12 +20,14 @@ import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
 from prefixpin.core import compiled_relay
+from prefixpin.proxy.accepting import AcceptDrain
 from prefixpin.proxy.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
 from prefixpin.proxy.app import create_apps
 from prefixpin.proxy.http_limits import ConnectionLimits, http_options
 from prefixpin.proxy.interpreter import interpreter_build
 from prefixpin.proxy.logs import configure, get_logger, log_event
 from prefixpin.proxy.settings import Settings
+from prefixpin.proxy.uvicorn_seam import listening_descriptors, protocol_factory
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
@@ -111,7 +114,26 @@ def event_loop(choice: str = "auto") -> asyncio.Runner:
     return asyncio.Runner()
 
 
-class _Follower(uvicorn.Server):
+class _Listener(uvicorn.Server):
+    """uvicorn's server, accepting every connection waiting on it in one turn of the loop
+    (``proxy.accepting``), not one per turn."""
+
+    drains: tuple[AcceptDrain, ...] = ()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        loop, protocol = asyncio.get_running_loop(), protocol_factory(self)
+        self.drains = tuple(AcceptDrain(loop, fd, protocol)
+                            for fd in listening_descriptors(self))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for drain in self.drains:
+            drain.close()
+        self.drains = ()
+        await super().shutdown(sockets)
+
+
+class _Follower(_Listener):
     """The operator listener: the tenant server owns the signals, and stops it."""
 
     @contextlib.contextmanager
@@ -119,7 +141,7 @@ class _Follower(uvicorn.Server):
         yield
 
 
-class _Leader(uvicorn.Server):
+class _Leader(_Listener):
     """The tenant listener: it owns the signals (and the lifespan), and a Ctrl-C stops the
     operator listener with it (a second one forces both)."""
 

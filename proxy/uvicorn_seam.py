@@ -5,7 +5,9 @@ The tenant listener (``proxy.http_limits``) subclasses uvicorn's httptools proto
 bounds each request's head and body, and it gives each streamed response two writers that
 bypass ASGI's ``send`` on the hot path (``proxy.client_writes``: a body chunk written as a
 plain call, and the client's socket for the compiled relay). Both read the request's
-``RequestResponseCycle`` to write as ``send`` would. None of this is a public API of
+``RequestResponseCycle`` to write as ``send`` would. Both listeners accept more than one
+connection per turn of the loop (``proxy.accepting``): that needs the server's listening
+sockets and the protocol its startup gives the loop. None of this is a public API of
 uvicorn, so ``pyproject.toml`` pins uvicorn to the minor version these names were checked
 against, ``CHECKED_MINOR``, and ``missing_internals`` (run by
 ``tests/unit/test_uvicorn_seam.py``) names any of them a uvicorn release moved.
@@ -16,8 +18,11 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Protocol
+
+import uvicorn
 
 CHECKED_MINOR = (0, 55)
 
@@ -29,6 +34,11 @@ PROTOCOL_ATTRIBUTES = ("connections", "cycle", "logger", "loop", "scope", "trans
 CYCLE_ATTRIBUTES = ("chunked_encoding", "disconnected", "flow", "response_complete", "scope",
                     "transport")
 FLOW_ATTRIBUTES = ("write_paused",)
+# What the accept drain reads of the server once it has started, and what it passes the
+# protocol class, as the server's startup does.
+SERVER_ATTRIBUTES = ("config", "lifespan", "server_state", "servers")
+LIFESPAN_ATTRIBUTES = ("state",)
+PROTOCOL_ARGUMENTS = ("config", "server_state", "app_state")
 
 
 class FlowControl(Protocol):
@@ -59,6 +69,23 @@ class ResponseCycle(Protocol):
     def flow(self) -> FlowControl: ...
 
 
+def protocol_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
+    """Each new connection's protocol, made as the started ``server`` makes it."""
+    config, server_state, app_state = server.config, server.server_state, server.lifespan.state
+
+    def create() -> asyncio.Protocol:
+        protocol: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=server_state, app_state=app_state)
+        return protocol
+
+    return create
+
+
+def listening_descriptors(server: uvicorn.Server) -> list[int]:
+    """The started ``server``'s listening sockets, by descriptor."""
+    return [sock.fileno() for each in server.servers for sock in each.sockets]
+
+
 def uvicorn_minor() -> tuple[int, int]:
     major, minor = version("uvicorn").split(".")[:2]
     return int(major), int(minor)
@@ -68,16 +95,27 @@ def missing_internals() -> list[str]:
     """Each internal this seam relies on that the installed uvicorn lacks, by name (empty
     when all are there): read from uvicorn's source, so a release that renames one fails
     the check here, by name, not a streamed response somewhere later."""
+    from uvicorn import server
+    from uvicorn.lifespan import off, on
     from uvicorn.protocols.http import flow_control, httptools_impl
 
-    found = assigned_attributes(inspect.getsource(httptools_impl)) | assigned_attributes(
-        inspect.getsource(flow_control))
+    found: dict[str, set[str]] = {}
+    for module in (httptools_impl, flow_control, server):
+        found |= assigned_attributes(inspect.getsource(module))
+    lifespans = {name: assigned_attributes(inspect.getsource(module))[name]
+                 for name, module in (("LifespanOn", on), ("LifespanOff", off))}
     missing = [f"HttpToolsProtocol.{name}()" for name in PROTOCOL_METHODS
                if not callable(getattr(httptools_impl.HttpToolsProtocol, name, None))]
     for owner, names in (("HttpToolsProtocol", PROTOCOL_ATTRIBUTES),
                          ("RequestResponseCycle", CYCLE_ATTRIBUTES),
-                         ("FlowControl", FLOW_ATTRIBUTES)):
+                         ("FlowControl", FLOW_ATTRIBUTES),
+                         ("Server", SERVER_ATTRIBUTES)):
         missing += [f"{owner}.{name}" for name in names if name not in found.get(owner, ())]
+    missing += [f"{owner}.{name}" for owner, names in lifespans.items()
+                for name in LIFESPAN_ATTRIBUTES if name not in names]
+    parameters = inspect.signature(httptools_impl.HttpToolsProtocol).parameters
+    missing += [f"HttpToolsProtocol({name}=)" for name in PROTOCOL_ARGUMENTS
+                if name not in parameters]
     return missing
 
 
