@@ -122,6 +122,8 @@ class _Listener(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if sys.platform == "win32":  # no uvloop there; the proactor loop has no readers
+            return
         loop, protocol = asyncio.get_running_loop(), protocol_factory(self)
         self.drains = tuple(AcceptDrain(loop, fd, protocol)
                             for fd in listening_descriptors(self))
