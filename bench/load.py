@@ -113,6 +113,7 @@ T = TypeVar("T")
 class Stream:
     """What the client saw of one stream."""
 
+    wave: int = 0  # its place among its slot's requests (0: the first)
     status: int = 0
     seqs: list[int] = field(default_factory=list)
     done: bool = False
@@ -305,8 +306,8 @@ async def worker(port: int, requests: list[bytes], start_at: float, results: lis
     if delay > 0:
         await asyncio.sleep(delay)
     client: Client | None = None
-    for request in requests:
-        result = Stream()
+    for wave, request in enumerate(requests):
+        result = Stream(wave=wave)
         results.append(result)
         start = time.perf_counter()
         try:
@@ -568,6 +569,22 @@ def latency(by_arm: dict[str, list[Stream]]) -> dict[str, float]:
     return out
 
 
+def first_event_by_wave(by_arm: dict[str, list[Stream]]) -> list[dict[str, Any]]:
+    """Each arm's first event per wave (the requests each slot sent first, second, ...):
+    p0 near p99 means a wave's first events all left together, at the end of its work."""
+    rows = []
+    for arm, streams in by_arm.items():
+        waves: dict[int, list[float]] = collections.defaultdict(list)
+        for stream in streams:
+            if not stream.failed and stream.first_event_s is not None:
+                waves[stream.wave].append(stream.first_event_s * 1000)
+        rows += [{"arm": arm, "wave": wave, "p0_ms": round(min(values), 1),
+                  "p50_ms": round(percentile(values, 0.5), 1),
+                  "p99_ms": round(percentile(values, 0.99), 1)}
+                 for wave, values in sorted(waves.items())]
+    return rows
+
+
 def proxy_log_counts(path: Path) -> dict[str, Any]:
     """The proxy's JSON log lines by level and event, and its request outcomes."""
     levels: collections.Counter[str] = collections.Counter()
@@ -608,6 +625,7 @@ def summarise(plan: Plan, records: list[Round], memory: dict[str, Any],
              for k in ("lost", "duplicated", "reordered", "streams_failed"))
     result["verdict"] = "ok" if ok and len(lengths) == 1 else "FAILED"
     result.update(latency(by_arm))
+    result["first_event_by_wave"] = first_event_by_wave(by_arm)
     cpu = {name: round(sum(r.cpu_s["proxy"] for r in records if r.arm == arm), 3)
            for name, arm in (("proxy", "proxy"), ("proxy_during_direct", "direct"))}
     cpu["fake"] = round(sum(r.cpu_s["fake"] for r in records), 3)
@@ -903,6 +921,9 @@ def render(result: dict[str, Any]) -> str:
                          f"{a['statuses']} |")
         lines += ["", "| latency (ms) | direct | proxy | added |", "|---|---|---|---|"]
         lines += _latency_rows(r)
+        lines += ["", "| first event by wave (ms) | p0 | p50 | p99 |", "|---|---|---|---|"]
+        lines += [f"| {w['arm']}, wave {w['wave']} | {w['p0_ms']} | {w['p50_ms']} | "
+                  f"{w['p99_ms']} |" for w in r.get("first_event_by_wave", [])]
         counters = r["fake_counters"]
         lines += [
             "",
