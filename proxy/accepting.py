@@ -84,6 +84,7 @@ class AcceptDrain:
             self._adopt(connection)
 
     def _adopt(self, connection: socket.socket) -> None:
+        connection.setblocking(False)  # accept() gave it blocking; both loops want it not
         task: asyncio.Task[object] = self._loop.create_task(
             self._loop.connect_accepted_socket(self._factory, connection))
         self._adopting.add(task)
