@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefixpin.core.compiled_relay import CompiledRelay
@@ -99,10 +100,14 @@ class WriteBatch:
 class BatchedTransport(asyncio.Transport):
     """A socket transport whose writes wait for the end of the loop's turn."""
 
-    def __init__(self, transport: asyncio.Transport, batch: WriteBatch) -> None:
+    def __init__(self, transport: asyncio.Transport, batch: WriteBatch,
+                 closes_later: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._transport = transport
         self._batch = batch
+        # Asked at ``close``: true when its protocol closes the socket itself, later (a
+        # linger after an answer that came before the request's body had all arrived).
+        self._closes_later = closes_later
         self._kept: list[bytes] = []
         self._kept_bytes = 0
 
@@ -133,6 +138,8 @@ class BatchedTransport(asyncio.Transport):
 
     def close(self) -> None:
         self.flush()
+        if self._closes_later is not None and self._closes_later():
+            return
         self._transport.close()
 
     def write_eof(self) -> None:

@@ -144,13 +144,16 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
         _deadline: Any = None  # the head's or the body's timer (asyncio.TimerHandle)
         _body_chunks = 0
         _dropped = 0  # bytes read and dropped since the refusal
+        # The request's keep-alive, set aside while its body is read (``on_headers_complete``)
+        _kept_alive = False
 
         def connection_made(self, transport: Any) -> None:
             cls = type(self)
             batch = cls._write_batch
             if batch is None or batch.loop is not self.loop:
                 batch = cls._write_batch = WriteBatch(self.loop)
-            super().connection_made(BatchedTransport(transport, batch))
+            super().connection_made(BatchedTransport(transport, batch,
+                                                     closes_later=self._linger_instead))
             if len(self.connections) > limits.max_connections:
                 self.logger.warning("connection refused: %d open on this listener",
                                     limits.max_connections)
@@ -224,6 +227,10 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
+                # An answer that comes before the body has all arrived says "connection:
+                # close" (the connection closes after it: ``on_response_complete``), so no
+                # client sends its next request on it; the body's end gives it back.
+                self._kept_alive, cycle.keep_alive = cycle.keep_alive, False
                 extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
                 extensions[BODY_WRITER] = ChunkedBodyWriter(cycle).write
                 if compiled_relay:
@@ -240,6 +247,10 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
 
         def on_message_complete(self) -> None:
             self._disarm()  # between requests uvicorn's keep-alive timeout applies
+            cycle = self.cycle
+            if self._kept_alive and cycle is not None and not cycle.response_started:
+                cycle.keep_alive = True
+            self._kept_alive = False
             super().on_message_complete()
             # What follows on this connection is the next request head (bytes of it that
             # shared a read with this request's end are not counted: at most one read).
@@ -271,9 +282,21 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             self._refuse(error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
                                      "invalid_http"))
 
+        def shutdown(self) -> None:
+            self._kept_alive = False  # the server is stopping: this connection closes
+            super().shutdown()
+
+        def _linger_instead(self) -> bool:
+            """uvicorn closes a connection once its answer is out when the request did not
+            keep it alive: one answered before its body had all arrived lingers first."""
+            if self._in_head or self._refused or self.transport.is_closing():
+                return False
+            self._close_after_answer()
+            return True
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self._in_head:
+            if not self._in_head and not self._refused:
                 # Answered before its body was all read (a 413 past --max-body, a 401,
                 # ...): the rest of the body is not read on for the next request, whatever
                 # its length (an endless chunked one would keep the loop reading at line

@@ -28,11 +28,13 @@ CHECKED_MINOR = (0, 55)
 
 # What the listener's protocol overrides (called by uvicorn) and reads of itself.
 PROTOCOL_METHODS = ("connection_made", "connection_lost", "data_received",
-                    "on_headers_complete", "on_message_complete", "send_400_response")
+                    "on_headers_complete", "on_message_complete", "send_400_response",
+                    "shutdown")
 PROTOCOL_ATTRIBUTES = ("connections", "cycle", "logger", "loop", "scope", "transport")
-# What the body writers read of the request's cycle, and of its flow control.
-CYCLE_ATTRIBUTES = ("chunked_encoding", "disconnected", "flow", "response_complete", "scope",
-                    "transport")
+# What the body writers read of the request's cycle (and the listener sets: its keep_alive
+# while the body is read), and of its flow control.
+CYCLE_ATTRIBUTES = ("chunked_encoding", "disconnected", "flow", "keep_alive",
+                    "response_complete", "response_started", "scope", "transport")
 FLOW_ATTRIBUTES = ("write_paused",)
 # What the accept drain reads of the server once it has started, and what it passes the
 # protocol class, as the server's startup does.

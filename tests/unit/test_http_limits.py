@@ -343,3 +343,43 @@ async def test_an_answer_before_the_body_ends_closes_the_connection_after_a_ling
     await asyncio.sleep(LINGER_S + 0.1)
     assert transport.closed
     protocol.connection_lost(None)
+
+
+def head_of(answer: bytes) -> bytes:
+    return answer.split(b"\r\n\r\n", 1)[0].lower()
+
+
+@pytest.mark.anyio
+async def test_an_answer_before_the_body_ends_says_the_connection_closes() -> None:
+    """The answer itself says ``connection: close``: a client that has sent its whole body
+    and read the answer before the connection's close reached it would otherwise send its
+    next request on this connection, and get no answer at all."""
+    async def early(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 413, "headers": []})
+        await send({"type": "http.response.body", "body": b"too large"})
+
+    protocol, transport = connected(early)
+    protocol.data_received(request(BIG_BODY)[:-1000])
+    answer = await answer_of(transport)
+    assert status_of(answer) == 413
+    assert b"\r\nconnection: close" in head_of(answer)
+    protocol.data_received(request(BIG_BODY)[-1000:])  # the body's end: read and dropped
+    await asyncio.sleep(0.05)
+    assert not transport.closed  # it lingers: the client still sending reads its answer
+    protocol.connection_lost(None)
+
+
+@pytest.mark.anyio
+async def test_an_answer_after_the_whole_body_keeps_the_connection() -> None:
+    protocol, transport = connected(body_length_app)
+    for _ in range(2):
+        transport.out.clear()
+        protocol.data_received(request(BIG_BODY))
+        answer = await answer_of(transport)
+        assert status_of(answer) == 200
+        assert b"connection: close" not in head_of(answer)
+        assert b"\r\n%d\r\n" % len(BIG_BODY) in answer
+    assert not transport.closed
+    protocol.connection_lost(None)
