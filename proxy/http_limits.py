@@ -228,7 +228,7 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (not an upgrade)
                 # An answer that comes before the body has all arrived says "connection:
-                # close" (the connection closes after it: ``on_response_complete``), so no
+                # close" (the connection closes after it: ``_linger_instead``), so no
                 # client sends its next request on it; the body's end gives it back.
                 self._kept_alive, cycle.keep_alive = cycle.keep_alive, False
                 extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
@@ -288,20 +288,14 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
 
         def _linger_instead(self) -> bool:
             """uvicorn closes a connection once its answer is out when the request did not
-            keep it alive: one answered before its body had all arrived lingers first."""
+            keep it alive, as one answered before its body had all arrived did not (a 413
+            past --max-body, a 401, ...). That one lingers first, as after a refusal: the
+            rest of its body is not read on for a next request, whatever its length (an
+            endless chunked one would keep the loop reading at line rate)."""
             if self._in_head or self._refused or self.transport.is_closing():
                 return False
             self._close_after_answer()
             return True
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self._in_head and not self._refused:
-                # Answered before its body was all read (a 413 past --max-body, a 401,
-                # ...): the rest of the body is not read on for the next request, whatever
-                # its length (an endless chunked one would keep the loop reading at line
-                # rate); the connection closes after a linger, as after a refusal.
-                self._close_after_answer()
 
         def _refuse(self, response: bytes, *, linger: bool = True) -> None:
             """Answer, then close (``_close_after_answer``)."""
