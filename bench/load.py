@@ -36,7 +36,11 @@ stream and arm, and that the stream ends with ``[DONE]``. Per level it reports:
   below the proxy's for the figure to mean anything;
 - added latency: the proxy arm's percentile minus the direct arm's, for the first data
   event (the progress event: the whole request path) and the last byte of a stream;
-- the proxy's RSS after each proxy round (``VmRSS``) and its peak (``VmHWM``).
+- the proxy's RSS after each proxy round (``VmRSS``) and its peak (``VmHWM``);
+- with ``--start together``, each wave's first events apart, and per proxy round what the
+  proxy spent from its first wave's first request to that wave's last first event: its CPU
+  (``/proc``, sampled every 5 ms: a clock tick's precision), per stream, and how busy that
+  kept it (near 1: the wave waited on the proxy's one core).
 
 The burst section (``--burst-streams``, 0: off) starts 64 streams at once on fresh
 connections, distinct prompts, ``--burst-events`` tokens, ``--burst-rounds`` rounds per arm:
@@ -121,6 +125,7 @@ class Stream:
     first_event_s: float | None = None
     last_byte_s: float = 0.0
     error: str | None = None
+    started_s: float = 0.0  # time.perf_counter() when its request was sent
 
     def problems(self) -> dict[str, int]:
         """Lost, duplicated and reordered events, from the sequence numbers alone."""
@@ -307,9 +312,9 @@ async def worker(port: int, requests: list[bytes], start_at: float, results: lis
         await asyncio.sleep(delay)
     client: Client | None = None
     for wave, request in enumerate(requests):
-        result = Stream(wave=wave)
-        results.append(result)
         start = time.perf_counter()
+        result = Stream(wave=wave, started_s=start)
+        results.append(result)
         try:
             async with asyncio.timeout(timeout_s):
                 if client is None or client.closed or not client.keep_alive:
@@ -496,6 +501,43 @@ class Round:
     streams: list[Stream]
     wall_s: float
     cpu_s: dict[str, float]  # proxy, fake, client: each process's own CPU over the round
+    # The proxy's CPU over the round's first ``CPU_TRACE_S``: (time.perf_counter(), seconds)
+    proxy_cpu_trace: tuple[tuple[float, float], ...] = ()
+
+
+CPU_TRACE_S = 2.0  # how long into a together round the proxy's CPU is sampled
+CPU_TRACE_EVERY_S = 0.005  # /proc's figure moves by clock ticks (10 ms): finer adds nothing
+
+
+async def trace_cpu(pid: int, into: list[tuple[float, float]], *, for_s: float = CPU_TRACE_S,
+                    every_s: float = CPU_TRACE_EVERY_S) -> None:
+    """``pid``'s CPU seconds (``cpu_seconds``) every ``every_s`` for ``for_s``."""
+    end = time.perf_counter() + for_s
+    while (now := time.perf_counter()) < end:
+        into.append((now, cpu_seconds(pid)))
+        await asyncio.sleep(every_s)
+
+
+def first_wave_cost(streams: list[Stream], trace: tuple[tuple[float, float], ...]
+                    ) -> dict[str, Any] | None:
+    """What the proxy spent while a together round's first wave waited for its first
+    events: its CPU from the wave's first request to its last first event, per stream.
+    ``busy`` near 1 says the wave waited on the proxy's CPU (a core's worth), not on
+    anything else. None when the trace does not span the window."""
+    wave = [s for s in streams if s.wave == 0 and not s.failed and s.first_event_s is not None]
+    if not wave or len(trace) < 2:
+        return None
+    begin = min(s.started_s for s in wave)
+    end = max(s.started_s + (s.first_event_s or 0.0) for s in wave)
+    before = [cpu for at, cpu in trace if at <= begin]
+    after = [cpu for at, cpu in trace if at >= end]
+    if not before or not after:
+        return None
+    window_s, cpu_s = end - begin, after[0] - before[-1]
+    return {"streams": len(wave), "window_ms": round(window_s * 1000, 1),
+            "proxy_cpu_ms": round(cpu_s * 1000, 1),
+            "cpu_us_per_stream": round(cpu_s / len(wave) * 1e6, 1),
+            "busy": round(cpu_s / window_s, 2) if window_s > 0 else None}
 
 
 async def measure(ports: dict[str, int], pids: dict[str, int], plan: Plan, rounds: int,
@@ -519,15 +561,23 @@ async def measure(ports: dict[str, int], pids: dict[str, int], plan: Plan, round
             gc.disable()  # the client's own collector stays out of the timings
             before = {"proxy": cpu_seconds(pids["proxy"]), "fake": cpu_seconds(pids["fake"]),
                       "client": own_cpu_seconds()}
+            trace: list[tuple[float, float]] = []
+            # Traced in both arms, the client's reads of /proc alike: only the proxy's counts.
+            tracer = (asyncio.create_task(trace_cpu(pids["proxy"], trace))
+                      if plan.together else None)
             started = time.perf_counter()
             streams = await run_round(ports[arm], plan, requests)
             wall = time.perf_counter() - started
+            if tracer is not None:
+                tracer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tracer
             await asyncio.sleep(settle_s)  # the proxy's work after the last byte counts
             after = {"proxy": cpu_seconds(pids["proxy"]), "fake": cpu_seconds(pids["fake"]),
                      "client": own_cpu_seconds()}
             gc.enable()
             records.append(Round(arm, index, streams, wall,
-                                 {k: after[k] - before[k] for k in before}))
+                                 {k: after[k] - before[k] for k in before}, tuple(trace)))
             if arm == "proxy":
                 memory["rss_after_round_kib"].append(proc_status(pids["proxy"])["VmRSS"])
     memory["peak_kib"] = proc_status(pids["proxy"])["VmHWM"]
@@ -626,6 +676,8 @@ def summarise(plan: Plan, records: list[Round], memory: dict[str, Any],
     result["verdict"] = "ok" if ok and len(lengths) == 1 else "FAILED"
     result.update(latency(by_arm))
     result["first_event_by_wave"] = first_event_by_wave(by_arm)
+    costs = [first_wave_cost(r.streams, r.proxy_cpu_trace) for r in records if r.arm == "proxy"]
+    result["first_wave_proxy_cpu"] = [c for c in costs if c is not None]
     cpu = {name: round(sum(r.cpu_s["proxy"] for r in records if r.arm == arm), 3)
            for name, arm in (("proxy", "proxy"), ("proxy_during_direct", "direct"))}
     cpu["fake"] = round(sum(r.cpu_s["fake"] for r in records), 3)
@@ -924,6 +976,12 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", "| first event by wave (ms) | p0 | p50 | p99 |", "|---|---|---|---|"]
         lines += [f"| {w['arm']}, wave {w['wave']} | {w['p0_ms']} | {w['p50_ms']} | "
                   f"{w['p99_ms']} |" for w in r.get("first_event_by_wave", [])]
+        if r.get("first_wave_proxy_cpu"):
+            lines += ["", "| proxy round: wave 0 until its last first event | window (ms) | "
+                      "proxy CPU (ms) | per stream (µs) | busy |", "|---|---|---|---|---|"]
+            lines += [f"| round {i} | {c['window_ms']} | {c['proxy_cpu_ms']} | "
+                      f"{c['cpu_us_per_stream']} | {c['busy']} |"
+                      for i, c in enumerate(r["first_wave_proxy_cpu"], 1)]
         counters = r["fake_counters"]
         lines += [
             "",
