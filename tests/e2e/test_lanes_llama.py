@@ -10,6 +10,7 @@ counts it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,16 @@ def chat(url: str, key: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
     return body
 
 
+def wait_for_every_lane(admin: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        backends = httpx.get(f"{admin}/sessions", timeout=10).json()["backends"]
+        if all(b["up"] for b in backends):
+            return
+        assert time.monotonic() < deadline, f"lanes not up within {timeout_s:.0f} s: {backends}"
+        time.sleep(0.2)
+
+
 def test_llama_server_embedded_and_ollama_lanes_behind_one_router(tmp_path: Path) -> None:
     with run_llama_server("smollm2", slots=1, ctx_per_slot=4096, threads=1) as llama, \
             serve_in_thread(create_fake_ollama(fake_config())) as ollama:
@@ -48,6 +59,9 @@ def _run(llama: LlamaServerProcess, ollama: str, tmp_path: Path) -> None:
                       model=ensure_model("smollm2"), slots=1, ctx_size=4096, threads=1,
                       park_dir=tmp_path, health_interval_s=1)
     with serve_proxy(create_apps(config)) as url:
+        # The proxy serves once its first lane answers; the others come up after (the
+        # embedded engine loads its model): each session is placed among the lanes up then.
+        wait_for_every_lane(url.admin)
         lanes: dict[str, str] = {}
         for s in range(3):
             key = f"session-{s}"
