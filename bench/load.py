@@ -125,7 +125,7 @@ class Stream:
     first_event_s: float | None = None
     last_byte_s: float = 0.0
     error: str | None = None
-    started_s: float = 0.0  # time.perf_counter() when its request was sent
+    started_s: float = 0.0  # time.perf_counter() as it began (a new connection first)
 
     def problems(self) -> dict[str, int]:
         """Lost, duplicated and reordered events, from the sequence numbers alone."""
