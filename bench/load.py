@@ -525,7 +525,7 @@ def first_wave_cost(streams: list[Stream], trace: tuple[tuple[float, float], ...
     ``busy`` near 1 says the wave waited on the proxy's CPU (a core's worth), not on
     anything else. None when the trace does not span the window."""
     wave = [s for s in streams if s.wave == 0 and not s.failed and s.first_event_s is not None]
-    if not wave or len(trace) < 2:
+    if not wave:
         return None
     begin = min(s.started_s for s in wave)
     end = max(s.started_s + (s.first_event_s or 0.0) for s in wave)
