@@ -245,7 +245,10 @@ async def get_json(http: httpx.AsyncClient, path: str, what: str) -> Any:
 async def post_json(http: httpx.AsyncClient, path: str, body: Mapping[str, Any], what: str,
                     params: Mapping[str, str] | None = None) -> Any:
     with map_httpx_errors(what):
-        request = http.build_request("POST", path, json=dict(body), params=params)
+        # orjson: the proxy's own requests carry whole conversations (a template to
+        # render, a prompt to tokenize, an anchor's token ids).
+        request = http.build_request("POST", path, content=encode_json(body), params=params,
+                                     headers={"content-type": "application/json"})
         response = await send_with_stale_retry(http, request, stream=False)
     return _json_body(response, what)
 
@@ -255,9 +258,18 @@ def _json_body(response: httpx.Response, what: str) -> Any:
         raise UpstreamStatusError(response.status_code, response.content,
                                   response.headers.get("content-type"))
     try:
-        return response.json()
+        return decode_json(response.content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamProtocolError(f"{what}: engine sent invalid JSON") from exc
+
+
+def decode_json(content: bytes) -> Any:
+    """An engine's JSON answer; orjson (a tokenized conversation is a list of a hundred
+    thousand ids), the standard library for what orjson refuses (integers past 64 bits)."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
 
 
 T = TypeVar("T")

@@ -19,6 +19,7 @@ from prefixpin.fingerprint.chain import (
 )
 from prefixpin.fingerprint.messages import (
     CHECKPOINT_EVERY,
+    EDGE_CHARS,
     TOOL_RESULT_CHARS,
     CacheStats,
     ChainMemo,
@@ -26,6 +27,7 @@ from prefixpin.fingerprint.messages import (
     Markers,
     MessageTokenCache,
     chain_for_messages,
+    edge_texts,
     fingerprint_view,
     prefix_keys,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "CHECKPOINT_EVERY",
     "DEFAULT_BAR",
     "DEFAULT_EDGE",
+    "EDGE_CHARS",
     "TOOL_RESULT_CHARS",
     "CacheStats",
     "Chain",
@@ -44,6 +47,7 @@ __all__ = [
     "MessageTokenCache",
     "chain",
     "chain_for_messages",
+    "edge_texts",
     "extend",
     "fingerprint_view",
     "nominates",

@@ -27,6 +27,7 @@ from prefixpin.fingerprint.chain import DEFAULT_EDGE, Chain, extend, start_chain
 
 __all__ = [
     "CHECKPOINT_EVERY",
+    "EDGE_CHARS",
     "TOOL_RESULT_CHARS",
     "CacheStats",
     "ChainMemo",
@@ -34,6 +35,7 @@ __all__ = [
     "Markers",
     "MessageTokenCache",
     "chain_for_messages",
+    "edge_texts",
     "fingerprint_view",
     "prefix_keys",
 ]
@@ -41,6 +43,11 @@ __all__ = [
 # Agents trim old tool results (a sliding window cuts them to 400 chars): a view that
 # keeps only the first 256 survives any trim that keeps at least that much.
 TOOL_RESULT_CHARS = 256
+
+# A segment is hashed by its edge tokens only (``DEFAULT_EDGE`` at each end): a longer view
+# is tokenized as its first and its last this many characters, apart, never its interior.
+# A new session arriving with a long history then costs a few dozen characters a message.
+EDGE_CHARS = 64
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _THINK_OPEN = "<think>"
@@ -167,12 +174,25 @@ def chain_for_messages(
 ) -> Chain:
     """The fingerprint chain of a chat request's messages (after ``base``'s, if given).
 
-    Equal to hashing the concatenated wrapped views in one piece, since each run starts
-    with an opener; only messages the cache has not seen (in ``scope``) are tokenized.
+    Equal to hashing the concatenated wrapped views in one piece (each message's first
+    run starts with an opener) where no view is longer than ``2 * EDGE_CHARS``, and to
+    within the tokens next to a cut otherwise (``edge_texts``); only texts the cache has
+    not seen (in ``scope``) are tokenized.
     """
-    runs = [cache.tokens(markers.wrap(fingerprint_view(message)), encoder, scope)
-            for message in messages]
+    runs = [cache.tokens(text, encoder, scope) for message in messages
+            for text in edge_texts(fingerprint_view(message), markers)]
     return extend(base if base is not None else start_chain(markers.openers, edge), *runs)
+
+
+def edge_texts(view: str, markers: Markers) -> tuple[str, ...]:
+    """What of a message's view is tokenized: the view wrapped in the model's markers, or,
+    past ``2 * EDGE_CHARS``, its wrapped opening and its wrapped end apart (the end's run
+    continues the opening's segment). The tokens next to a cut may differ from those of
+    the whole text, but the same view always gives the same ones, and the segment's
+    digest reads only its first and last tokens."""
+    if len(view) <= 2 * EDGE_CHARS:
+        return (markers.wrap(view),)
+    return (markers.open + view[:EDGE_CHARS], view[-EDGE_CHARS:] + markers.close)
 
 
 # Chains are memoised at every CHECKPOINT_EVERY-th message as well as at the end of each

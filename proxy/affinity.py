@@ -194,7 +194,8 @@ class AffinityPlanner:
         if not outcome.ok:
             return
         body = plan.body
-        session.committed = (Committed.of_chat(body, plan.digests, plan.shape)
+        session.committed = (Committed.of_chat(body, plan.digests, plan.shape,
+                                               previous=session.committed)
                              if "messages" in body
                              else Committed.of_completion(planned_body(plan.path, body),
                                                           plan.shape))

@@ -117,13 +117,21 @@ class Committed:
     prompt: str | None = None  # /v1/completions: the raw prompt text
     body: Mapping[str, Any] | None = None  # the forwarded request (to render it again)
     size: int = -1  # computed when not given
+    # Each message's canonical bytes, counted (computed when not given): a turn's commit
+    # counts only the messages it added.
+    message_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(self.message_sizes) != len(self.messages):
+            object.__setattr__(self, "message_sizes",
+                               tuple(len(canonical_bytes(m)) for m in self.messages))
         if self.size < 0:
             object.__setattr__(self, "size", self._measure())
 
     def _measure(self) -> int:
-        size = len(canonical_bytes(list(self.messages))) + 32 * len(self.digests)
+        # The length of the messages' canonical JSON array: its elements, commas, brackets.
+        size = sum(self.message_sizes) + max(len(self.messages) - 1, 0) + 2
+        size += 32 * len(self.digests)
         if self.prompt is not None:
             size += len(self.prompt.encode("utf-8", "replace"))
         if self.body is not None:
@@ -133,23 +141,38 @@ class Committed:
 
     @classmethod
     def of_chat(cls, body: Mapping[str, Any], digests: Sequence[bytes] | None = None,
-                shape: Shape | None = None) -> Committed:
+                shape: Shape | None = None, previous: Committed | None = None) -> Committed:
         """``digests`` and ``shape``, when the caller has them, must be those of
-        ``body["messages"]`` and ``shape_digest(body)``."""
+        ``body["messages"]`` and ``shape_digest(body)``. ``previous``: the session's
+        committed history, whose messages this one keeps where their digests are the same
+        (a turn that extends it costs what it added, not the conversation)."""
         forwarded = tuple(body.get("messages") or ())
         known = tuple(digests) if digests is not None and len(digests) == len(forwarded) \
             else tuple(digest(m) for m in forwarded)
-        messages = tuple(rendered(m) for m in forwarded)
+        shared = _kept_prefix(previous, known)
+        messages = (previous.messages[:shared] if previous is not None else ()) + tuple(
+            rendered(m) for m in forwarded[shared:])
+        sizes = (previous.message_sizes[:shared] if previous is not None else ()) + tuple(
+            len(canonical_bytes(m)) for m in messages[shared:])
         kept = {k: v for k, v in body.items() if k in SHAPE_FIELDS}
         kept["messages"] = list(messages)
         return cls(messages, known, shape if shape is not None else shape_digest(body),
-                   body=kept)
+                   body=kept, message_sizes=sizes)
 
     @classmethod
     def of_completion(cls, body: Mapping[str, Any], shape: Shape | None = None) -> Committed:
         prompt = body.get("prompt")
         text = prompt if isinstance(prompt, str) else canonical(prompt)
         return cls((), (), shape if shape is not None else shape_digest(body), text)
+
+
+def _kept_prefix(previous: Committed | None, digests: tuple[bytes, ...]) -> int:
+    """How many leading messages a new committed history shares with ``previous``: all of
+    them when it extends or repeats it (one comparison of the digests), else none."""
+    if previous is None or previous.prompt is not None:
+        return 0
+    n = len(previous.digests)
+    return n if n <= len(digests) and digests[:n] == previous.digests else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixpin.fingerprint import (
+    EDGE_CHARS,
     Chain,
     ChainMemo,
     Markers,
@@ -34,7 +35,7 @@ from prefixpin.proxy.logs import log_event
 Message = Mapping[str, Any]
 Normalize = Callable[[Sequence[Message]], Sequence[Message]]
 
-# New messages up to this many characters (~250 tokens, ~0.3 ms to tokenize) are
+# New messages with up to this many characters to tokenize (~250 tokens, ~0.3 ms) are
 # fingerprinted on the event loop: handing them to a worker thread costs about as much.
 INLINE_CHARS = 1_000
 
@@ -63,7 +64,8 @@ class Fingerprinter:
         args = (keys, covered, base, rest, self.tokenizer, self.cache, self.markers, scope)
         if _approximate_chars(rest) <= INLINE_CHARS:
             return self.memo.extend(*args)
-        # Off the event loop: a cold 30k-token conversation takes tens of milliseconds.
+        # Off the event loop: a new session arriving with hundreds of messages takes
+        # milliseconds, each message tokenized by its edges.
         return await asyncio.to_thread(self.memo.extend, *args)
 
     async def chain_of_prompt(self, prompt: str) -> Chain:
@@ -72,14 +74,16 @@ class Fingerprinter:
 
 
 def _approximate_chars(messages: Sequence[Message]) -> int:
-    """What tokenizing ``messages`` would cost, in characters (content parts and tool calls
+    """What tokenizing ``messages`` would cost, in characters: each message's, up to the
+    two edges a long view is tokenized by (``EDGE_CHARS``; content parts and tool calls
     counted by their printed form: an overestimate, which only moves work off the loop)."""
     total = 0
     for message in messages:
         content = message.get("content")
-        total += len(content) if isinstance(content, str) else len(str(content or ""))
+        chars = len(content) if isinstance(content, str) else len(str(content or ""))
         if message.get("tool_calls"):
-            total += len(str(message["tool_calls"]))
+            chars += len(str(message["tool_calls"]))
+        total += min(chars, 2 * EDGE_CHARS + 64)
     return total
 
 

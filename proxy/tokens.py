@@ -84,11 +84,18 @@ def _message_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+# Token runs are compared a block at a time (a C comparison of two lists), then the block
+# that differs token by token: a whole conversation's ids are a hundred thousand of them.
+_BLOCK = 4096
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens ``a`` and ``b`` share from the start."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
+    n = min(len(a), len(b))
+    start = 0
+    while start < n and list(a[start:start + _BLOCK]) == list(b[start:start + _BLOCK]):
+        start += _BLOCK
+    for index in range(start, min(start + _BLOCK, n)):
+        if a[index] != b[index]:
+            return index
     return n

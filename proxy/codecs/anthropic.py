@@ -60,14 +60,12 @@ from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TY
 from prefixpin.proxy.generation import Generation
 from prefixpin.proxy.validation import (
     FIELD_TYPES,
-    SURROGATE_ESCAPE,
     Api,
     ClientRequest,
     Endpoint,
     check_field_types,
     check_messages,
-    check_structure,
-    parse_object,
+    parse_checked,
 )
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -146,8 +144,7 @@ class AnthropicCodec:
 
 def parse_messages(raw: bytes, *, max_messages: int) -> ClientRequest:
     """The client's Anthropic body, checked, and the chat body it converts to."""
-    body = parse_object(raw)
-    check_structure(body, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
+    body = parse_checked(raw)
     check_request(body, max_messages)
     converted = convert_request(body)
     messages = converted["messages"]  # (perhaps none: the engine judges, as llama-server)

@@ -103,15 +103,13 @@ from prefixpin.proxy.validation import (
     JSON_NUMBER,
     JSON_OBJECT,
     JSON_STR,
-    SURROGATE_ESCAPE,
     Api,
     ClientRequest,
     Endpoint,
     check_field_types,
     check_messages,
-    check_structure,
     optional_bool,
-    parse_object,
+    parse_checked,
 )
 
 ENGINE_PATH = "/v1/chat/completions"
@@ -159,8 +157,7 @@ class ResponsesCodec:
         return "ResponsesCodec()"
 
     def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
-        source = parse_object(raw)
-        check_structure(source, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
+        source = parse_checked(raw)
         check_field_types(source, FIELD_TYPES_RESPONSES)
         reasoning = source.get("reasoning")
         if isinstance(reasoning, Mapping):

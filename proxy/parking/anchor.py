@@ -12,8 +12,9 @@ to where that request starts to differ (its next user turn); the file saved then
 prefix of every next request. The cost is the re-rendered reply, which the next turn would
 pay anyway, moved into the time the user or the tool takes.
 
-Anchoring runs after each turn, once the slot idles: before the slot is parked ahead
-(``ParkManager.park_ahead``), or on its own where parking is off (``after_turn``). It is
+Anchoring runs after a turn on an engine short of slots (``CONTENDED_WITHIN_S``), once the
+slot idles: before the slot is parked ahead (``ParkManager.park_ahead``), or on its own
+where parking is off (``after_turn``); and when a slot not anchored is evicted. It is
 not used on sliding-window models: their templates render a reply back as generated, so
 a warm slot is an extension already, and without ``--swa-full`` a slot file keeps nothing
 to extend (``bench/results/hybrid/RUN.md`` shows why in llama-server's code).
@@ -38,6 +39,10 @@ from prefixpin.proxy.tokens import common_prefix
 # A session's own next request often follows its answer at once (a tool result): work on
 # its slot after a turn (anchoring, parking ahead) waits until it stayed idle this long.
 IDLE_DELAY_S = 0.2
+
+# An engine is short of slots while requests wait, or for this long after a slot changed
+# hands: only then is a slot anchored (or parked) ahead of the eviction that would need it.
+CONTENDED_WITHIN_S = 600.0
 
 # Two next user turns that differ from their first character: what the two renderings share
 # is what every next request will start with.
@@ -136,7 +141,12 @@ class Anchorer:
         return held
 
     def after_turn(self, pool: SlotPool, slot: int, session_id: str) -> None:
-        """Anchor the slot in the background once it stays idle (parking off)."""
+        """Anchor the slot in the background once it stays idle (parking off), when the
+        engine is short of slots: a session that keeps its slot needs no anchor (the
+        engine's own checkpoints cover its next request), and anchoring renders and
+        tokenizes the whole conversation."""
+        if not pool.contended(CONTENDED_WITHIN_S):
+            return
         task = asyncio.get_running_loop().create_task(
             self._when_idle(pool, slot, session_id), name=f"prefixpin-anchor-{slot}")
         self._tasks.add(task)

@@ -31,7 +31,12 @@ from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.history import Committed, decide
 from prefixpin.proxy.logs import log_event
 from prefixpin.proxy.metrics import Metrics
-from prefixpin.proxy.parking.anchor import Anchorer, prompt_tokens, when_idle
+from prefixpin.proxy.parking.anchor import (
+    CONTENDED_WITHIN_S,
+    Anchorer,
+    prompt_tokens,
+    when_idle,
+)
 from prefixpin.proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from prefixpin.proxy.parking.limits import EngineLimits
 from prefixpin.proxy.parking.slotfile import (
@@ -59,7 +64,7 @@ DISK_HEADROOM = 1.1  # free space wanted before a save, over the estimated file 
 ORPHAN_MIN_AGE_S = 600.0
 # Parking ahead (once the slot idles: ``anchor.when_idle``), only while its engine is short
 # of slots: a slot changed hands within this long.
-PARK_AHEAD_WITHIN_S = 600.0
+PARK_AHEAD_WITHIN_S = CONTENDED_WITHIN_S
 
 Resolver = Callable[[str], Awaitable[Session | None]]
 
@@ -246,14 +251,18 @@ class ParkManager:
         return dataclasses.replace(eviction, tokens=held) if held is not None else eviction
 
     def park_ahead(self, pool: SlotPool, slot: int, session_id: str) -> None:
-        """After a session's turn, once its slot stays idle: on memory that cannot roll
-        back, anchor it (``Anchorer.anchor``); on an engine short of slots, save it, so that
-        its eviction by the next session's request finds the file current (``park``'s
-        unchanged case) instead of saving on that request's path. Never for a slot table
-        replicas share (its copy here may be stale)."""
-        save = self.config.park_ahead and pool.contended(PARK_AHEAD_WITHIN_S)
+        """After a session's turn on an engine short of slots, once its slot stays idle:
+        on memory that cannot roll back, anchor it (``Anchorer.anchor``), and save it, so
+        that its eviction by the next session's request finds the file current (``park``'s
+        unchanged case) instead of saving on that request's path. Nothing while every
+        session keeps its slot: there the engine's own checkpoints cover the next request,
+        and an anchor would render and tokenize the whole conversation after every turn.
+        Never for a slot table replicas share (its copy here may be stale)."""
         if (self.suspended is not None or _shared_table(pool) is not None
-                or not (save or self.anchorer is not None)):
+                or not pool.contended(PARK_AHEAD_WITHIN_S)):
+            return
+        save = self.config.park_ahead
+        if not (save or self.anchorer is not None):
             return
 
         async def work(entry: SlotEntry) -> None:

@@ -89,6 +89,38 @@ async def request_opening(adapter: Adapter, body: Mapping[str, Any]) -> list[int
     return await tokens_before_user_turn(adapter, body, lead)
 
 
+async def first_turn_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[int] | None:
+    """What a new session's opening is judged on: the request's prompt tokens while it is
+    its first turn (the leading system messages and one more), else, for a new session
+    arriving with a history (a resumed conversation, a sub-agent handed a long context),
+    only the tokens its prompt surely starts with up to the end of that first turn: the
+    renderings of the first turn followed by a user turn and by an assistant turn share
+    exactly those. Never the whole of a long history: this is on its first token's path."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return await prompt_tokens(adapter, body)
+    first_turn = _first_turn_length(messages)
+    if len(messages) <= first_turn:
+        return await prompt_tokens(adapter, body)
+    head = messages[:first_turn]
+    renderings = []
+    for role in ("user", "assistant"):
+        prompt = await adapter.apply_template(
+            {**body, "messages": [*head, {"role": role, "content": "A"}]})
+        renderings.append(await adapter.tokenize(prompt, add_special=True))
+    first, second = renderings
+    return first[:common_prefix(first, second)]
+
+
+def _first_turn_length(messages: Sequence[Any]) -> int:
+    """How many of ``messages`` the first turn takes: the leading system messages and the
+    message after them."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or message.get("role") not in SYSTEM_ROLES:
+            return index + 1
+    return len(messages)
+
+
 class Openings:
     """One lane's openings (its engine's save directory)."""
 
@@ -119,7 +151,7 @@ class Openings:
             opening = await request_opening(self.adapter, body)
             if opening is None or len(opening) < self.min_tokens:
                 return None
-            prompt = await prompt_tokens(self.adapter, body)
+            prompt = await first_turn_tokens(self.adapter, body)
         except ProxyError as exc:
             self._failed(session_id, slot, f"cannot render the opening: {exc.message}")
             return None

@@ -109,7 +109,9 @@ async def test_a_restore_after_anchoring_is_an_extension(
         for step in (1, 2, 3):
             for agent in agents:
                 await agent.turn(client, step)
-                if anchor:  # its slot idles: anchored before the other session comes
+                # Its slot idles: anchored before the other session comes, once the slot
+                # has changed hands (A's first turn is anchored when B's evicts it).
+                if anchor and (step, agent.name) != (1, "A"):
                     await settle(client, "prefixpin_anchors_total", len(agent.usage) * 2
                                  - (agent.name == "A"), outcome="anchored")
         restored, declined, anchors = await outcomes(client)
@@ -137,20 +139,44 @@ def qwen35_unsaved() -> Iterator[LlamaServerProcess]:
         yield handle
 
 
-@pytest.mark.parametrize("anchor", [True, False])
-async def test_a_warm_hybrid_slot_is_anchored_with_parking_off(
-        qwen35_unsaved: LlamaServerProcess, anchor: bool) -> None:
-    """Parking off, one session: anchored after its turn, the slot holds what the next
-    request starts with, so the next turn reads all of the previous prompt from cache;
-    without anchoring the engine goes back to its checkpoint 4 tokens before the end."""
-    apps = create_apps(Settings(upstream=qwen35_unsaved.url, anchor=anchor,
-                                health_interval_s=0.5))
+async def test_a_session_that_keeps_its_slot_is_not_anchored(
+        qwen35_unsaved: LlamaServerProcess) -> None:
+    """Parking off, one session on its own slot: nothing is anchored after its turns
+    (an anchor renders and tokenizes the whole conversation), and the engine's own
+    checkpoint near the end of the prompt serves the next turn: it re-reads only the
+    reply as the template renders it again, a few tokens."""
+    apps = create_apps(Settings(upstream=qwen35_unsaved.url, health_interval_s=0.5))
     app = apps.tenant
     agent = Agent("H")
     async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
         await lanes_ready(app, timeout_s=60)
         assert app.state.prefixpin.router.lanes[0].parking is None
         await agent.turn(client, 1)
+        await asyncio.sleep(0.6)  # past the idle delay an anchor would wait for
+        await agent.turn(client, 2)
+        anchors = await metric(client, "prefixpin_anchors_total", outcome="anchored")
+    first, second = agent.usage
+    assert anchors == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 16, \
+        agent.usage
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+async def test_a_warm_hybrid_slot_is_anchored_with_parking_off_once_slots_change_hands(
+        qwen35_unsaved: LlamaServerProcess, anchor: bool) -> None:
+    """Parking off, two sessions on one slot: once the slot has changed hands, a turn's
+    slot is anchored after it, so it holds what the session's next request starts with,
+    and that request reads all of the previous prompt from cache; without anchoring the
+    engine goes back to its checkpoint 4 tokens before the end."""
+    apps = create_apps(Settings(upstream=qwen35_unsaved.url, anchor=anchor,
+                                health_interval_s=0.5))
+    app = apps.tenant
+    other, agent = Agent("G"), Agent("H")
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        assert app.state.prefixpin.router.lanes[0].parking is None
+        await other.turn(client, 1)
+        await agent.turn(client, 1)  # takes the slot from G: the engine is short of slots
         if anchor:
             await settle(client, "prefixpin_anchors_total", 1, outcome="anchored")
         else:

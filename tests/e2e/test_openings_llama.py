@@ -20,7 +20,8 @@ import pytest
 
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.parking.openings import PER_NAMESPACE, request_opening
+from prefixpin.proxy.parking.anchor import prompt_tokens
+from prefixpin.proxy.parking.openings import PER_NAMESPACE, first_turn_tokens, request_opening
 from prefixpin.proxy.settings import Settings
 from prefixpin.proxy.tokens import common_prefix
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
@@ -218,3 +219,28 @@ async def test_siblings_share_their_first_turns_reminders_too(
     assert third["prompt_tokens"] == len(cleo)
     assert third["prompt_tokens"] - third["prompt_tokens_details"]["cached_tokens"] \
         <= len(cleo) - shared + 16, (shared, usage)
+
+
+async def test_a_new_session_with_a_long_history_is_judged_on_its_first_turn(
+        engine: LlamaServerProcess) -> None:
+    """A new session that arrives with a history (a resumed conversation, a sub-agent
+    handed a long context) is judged on the tokens its prompt starts with up to the end of
+    its first turn, never its whole history rendered and tokenized on the path to its first
+    token: a prefix of its prompt's tokens, the whole first turn and little more."""
+    history = first_turn("long")
+    for step in range(6):
+        history["messages"] += [{"role": "assistant", "content": filler(60, seed=step)},
+                                {"role": "user", "content": filler(60, seed=step + 10)}]
+    adapter = LlamaServerAdapter(httpx.AsyncClient(base_url=engine.url, timeout=60))
+    try:
+        judged = await first_turn_tokens(adapter, history)
+        whole = await prompt_tokens(adapter, history)
+        alone = await prompt_tokens(adapter, first_turn("long"))
+    finally:
+        await adapter.aclose()
+    assert judged is not None
+    assert whole is not None
+    assert alone is not None
+    assert whole[:len(judged)] == judged
+    assert len(alone) - 8 <= len(judged) <= len(alone) + 4
+    assert len(judged) < len(whole) // 2

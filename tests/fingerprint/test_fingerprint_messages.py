@@ -11,12 +11,14 @@ import pytest
 from prefixpin.fingerprint.chain import Chain, chain, nominates, shared_leading
 from prefixpin.fingerprint.messages import (
     CHECKPOINT_EVERY,
+    EDGE_CHARS,
     TOOL_RESULT_CHARS,
     ChainMemo,
     Encoder,
     Markers,
     MessageTokenCache,
     chain_for_messages,
+    edge_texts,
     fingerprint_view,
     prefix_keys,
 )
@@ -429,3 +431,39 @@ def test_memo_is_a_bounded_lru(smollm: ModelTokenizer) -> None:
     assert memo.longest(keys[0])[0] == memo.longest(keys[2])[0] == 1
     with pytest.raises(ValueError, match="at least 1"):
         ChainMemo(max_entries=0)
+
+
+class CharCounter:
+    """A tokenizer that counts the characters it is handed."""
+
+    def __init__(self, inner: ModelTokenizer) -> None:
+        self.inner = inner
+        self.chars = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return self.inner.encode(text)
+
+
+def test_a_long_message_is_tokenized_by_its_edges_alone(tokenizer: ModelTokenizer,
+                                                        markers: Markers) -> None:
+    """A new session arriving with a long history pays a few dozen characters a message:
+    its segment hashes only its first and last tokens, so only its two ends are tokenized,
+    and an edit of its interior leaves its digest as it was."""
+    body = " ".join(f"line {i}: the parser reads token {i * 7} of the stream" for i in range(400))
+    message: Message = {"role": "user", "content": f"Start here. {body} End here."}
+    counter = CharCounter(tokenizer)
+    chained = chain_for_messages([message], counter, MessageTokenCache(), markers)
+    assert counter.chars <= 2 * EDGE_CHARS + len(markers.open) + len(markers.close)
+    edited: Message = {**message, "content": message["content"].replace("token 700", "token 9")}
+    assert fingerprint([edited], tokenizer, markers).digests == chained.digests
+    shorter: Message = {**message, "content": message["content"].replace(" End here.", "")}
+    assert fingerprint([shorter], tokenizer, markers).digests != chained.digests
+
+
+def test_edges_of_a_short_view_are_the_whole_wrapped_view(markers: Markers) -> None:
+    assert edge_texts("user\nhello", markers) == (markers.wrap("user\nhello"),)
+    long = "x" * (2 * EDGE_CHARS + 1)
+    opening, end = edge_texts(long, markers)
+    assert opening == markers.open + long[:EDGE_CHARS]
+    assert end == long[-EDGE_CHARS:] + markers.close

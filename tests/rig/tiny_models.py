@@ -10,6 +10,9 @@ through a real tokenizer. That is what the tests measure, never the text.
   chat template.
 - ``qwen35-agent``: the same, and its reply ends after its first line (``QWEN35_ENDING``),
   so that the real agent CLIs, which ask for 32k tokens, get an answer.
+- ``qwen35-long``: ``qwen35-tiny`` declaring a training context of 262,144 tokens
+  (llama-server caps a slot at the model's training context): for sessions past 32k tokens
+  (``bench/long.py``).
 - ``gptoss-tiny``: gpt-oss, sliding-window attention (window 128) alternating with full
   attention, attention sinks, a mixture of experts, and gpt-oss's harmony chat template.
   Its reply's opening is scripted (``GPTOSS_OPENING``) so that llama-server's harmony
@@ -32,7 +35,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -171,6 +174,10 @@ TINY_MODELS: dict[str, TinyModel] = {
                              QWEN35_TOKENS, seed=35),
     "qwen35-agent": TinyModel("qwen35-agent", "qwen35", "Qwen3.5-4B.jinja", Qwen35Shape(),
                               QWEN35_TOKENS, seed=35, script=QWEN35_ENDING),
+    # Only the declared context differs (its name and the shape are in the file's hash).
+    "qwen35-long": TinyModel("qwen35-long", "qwen35", "Qwen3.5-4B.jinja",
+                             replace(Qwen35Shape(), context_length=262_144), QWEN35_TOKENS,
+                             seed=35),
     "gptoss-tiny": TinyModel("gptoss-tiny", "gpt-oss", "openai-gpt-oss-120b.jinja",
                              GptOssShape(), GPTOSS_TOKENS, seed=120, script=GPTOSS_OPENING),
 }

@@ -134,3 +134,24 @@ def test_divergence_index_is_within_both_histories(contents: list[str], at: int,
     assert verdict.index is not None
     assert 0 <= verdict.index <= min(len(messages), len(changed)) - 1
     assert verdict.committed_messages == len(messages)
+
+
+def test_a_commit_that_extends_keeps_the_previous_messages_and_counts_only_the_new() -> None:
+    """A turn's commit reuses what the previous commit holds of the same messages (not
+    rendered nor measured again), and holds and counts exactly what a fresh commit would."""
+    junk: Message = {"role": "user", "content": "and again", "x-junk": "dropped"}
+    extended = body([*HISTORY, REPLY, junk], model="m")
+    again = Committed.of_chat(extended, previous=COMMITTED)
+    fresh = Committed.of_chat(extended)
+    assert again == fresh
+    # the bytes it holds: its messages' JSON array, their digests, its other fields
+    assert again.size == fresh.size == (len(canonical(list(fresh.messages))) + 32 * 6
+                                        + len(canonical({"model": "m"})))
+    assert all(a is b for a, b in zip(again.messages, COMMITTED.messages, strict=False))
+    assert "x-junk" not in again.messages[-1]
+
+
+def test_a_commit_that_rewrites_the_history_starts_afresh() -> None:
+    changed = body([SYSTEM, {"role": "user", "content": "Another task"}, REPLY])
+    again = Committed.of_chat(changed, previous=COMMITTED)
+    assert again == Committed.of_chat(changed)

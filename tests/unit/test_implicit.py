@@ -113,9 +113,16 @@ async def test_small_news_are_fingerprinted_inline_and_large_ones_in_a_thread(
     assert tokenizer.threads
     assert set(tokenizer.threads) == {loop_thread}
     tokenizer.threads.clear()
-    large = [*small, {"role": "user", "content": "x " * INLINE_CHARS}]
-    await chain_of(fingerprinter, large)
-    assert len(tokenizer.threads) == 1
+    # A long message is tokenized by its edges alone (inline); many new messages are not.
+    long = [*small, {"role": "user", "content": "x " * INLINE_CHARS}]
+    await chain_of(fingerprinter, long)
+    assert set(tokenizer.threads) == {loop_thread}
+    tokenizer.threads.clear()
+    many = [*long, *({"role": "user", "content": f"message {i}: " + "y " * 100}
+                     for i in range(INLINE_CHARS // 100))]
+    await chain_of(fingerprinter, many)
+    assert tokenizer.threads
+    assert len(set(tokenizer.threads)) == 1
     assert tokenizer.threads[0] != loop_thread
 
 

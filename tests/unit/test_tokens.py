@@ -1,10 +1,15 @@
-"""The token-count cache is per namespace: one tenant's count never warms another's."""
+"""The token-count cache is per namespace: one tenant's count never warms another's; token runs
+compared."""
 
 from __future__ import annotations
 
 import asyncio
+from array import array
 
-from prefixpin.proxy.tokens import TokenCounter, scope
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixpin.proxy.tokens import TokenCounter, common_prefix, scope
 
 
 class CountingEncoder:
@@ -52,3 +57,15 @@ def test_the_scope_follows_the_request_into_threads() -> None:
 
     asyncio.run(main())
     assert encoder.calls == 1
+
+
+@given(st.lists(st.integers(0, 3), max_size=9000), st.lists(st.integers(0, 3), max_size=9000))
+def test_common_prefix_is_the_first_difference(a: list[int], b: list[int]) -> None:
+    """Blocks compared at a time give the index of the first differing token, whatever the
+    kinds of sequence (a list, a tuple, an array of ids)."""
+    shared = a[:len(b)]
+    b = shared + b[len(shared):] if len(b) > len(a) // 2 else b
+    expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)))
+    assert common_prefix(a, b) == expected
+    assert common_prefix(array("i", a), tuple(b)) == expected
