@@ -59,6 +59,9 @@ class LlamaServerAdapter:
         # Absolute URLs per path: httpx re-parses and merges a relative URL on every request
         # (a measurable share of the proxy's per-request cost); the paths are a handful.
         self._urls: dict[str, httpx.URL] = {}
+        # The last full probe's answer, whose start time (``/metrics``) names the engine's
+        # process: the same process says the same of itself.
+        self._known: EngineInfo | None = None
 
     def _url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)
@@ -67,22 +70,31 @@ class LlamaServerAdapter:
         return url
 
     async def probe(self) -> EngineInfo:
+        """The engine's info. While its process start time (``/metrics``) is the one the
+        last probe read, that probe's answer stands and nothing else is asked: the watch
+        probes every few seconds, and four requests and a ``/props`` of kilobytes were most
+        of an idle proxy's CPU. An engine without ``--metrics`` is asked in full."""
+        start_time = await self._start_time()
+        known = self._known
+        if known is not None and start_time is not None and known.start_time == start_time:
+            return known
         props = await get_json(self.http, "/props", "GET /props")
         models = await self._models_meta()
         settings = props.get("default_generation_settings") or {}
         arch = str(models.get("architecture") or "")
-        return EngineInfo(
+        self._known = EngineInfo(
             engine=self.name,
             model=_model_name(props),
             n_slots=int(props.get("total_slots") or 1),
             n_ctx_slot=int(settings.get("n_ctx") or 0),
             build=str(props.get("build_info") or ""),
-            start_time=await self._start_time(),
+            start_time=start_time,
             slot_save_path=await self._has_slot_save_path(),
             n_swa=1 if arch in SWA_ARCHITECTURES else 0,
             chat_template=props.get("chat_template"),
             props=props,
         )
+        return self._known
 
     def prepare(self, path: str, body: Mapping[str, Any], *, slot: int | None) -> UpstreamCall:
         upstream = dict(body)
