@@ -33,8 +33,14 @@ characters per token.
 
 Short follow-ups: when the prompt first reaches ~3k tokens, and again at the end, eight turns
 that add a user message of a few dozen tokens (the engine's part held small). A new session
-with the long history: the proxy restarted (same engine, same park directory), the final
-history sent once more with one user message added; it knows no session.
+with the long history: the proxy restarted, the final history sent once more with one user
+message added; it knows no session. Both arms then go to the fast fake llama-server
+(``bench/fast_engine.py``, declaring the same model: the proxy reads its tokenizer and memory
+kind), which answers at once: the CPU to the first event is the proxy's own work (a
+restarted proxy reads no slot it knows nothing about from cache, so on engine B it would
+wait for the whole history's prefill). Thinking is off in the template
+(``chat_template_kwargs``; ``--thinking`` turns it on): with it, each user turn re-reads the
+tool turns since the last one (Qwen3.5 drops their reasoning), in both arms alike.
 
 Per turn and arm: time to the first event carrying output (TTFT; the first ``data:`` event
 too), prompt, cached and prefilled tokens; for prefixpin its CPU, every thread's
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -60,6 +67,7 @@ import random
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +85,7 @@ import numpy as np
 from bench.provenance import cpu_model
 from bench.sse_clock import SSEDecoder, SSEEvent, carries_output
 from bench.trees import HERE, Tree
+from tests.fakes.servers import free_port
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.replica_process import ReplicaProcess, start_replica
 from tests.rig.tiny_models import ensure_tiny_model
@@ -534,11 +543,15 @@ def client(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=TIMEOUT_S, limits=LIMITS)
 
 
-def request_body(arm: Arm, max_tokens: int) -> bytes:
+def request_body(arm: Arm, max_tokens: int, thinking: bool = False) -> bytes:
     # Serialized before the clock starts: the client's own work is not the proxy's.
+    # Thinking off by default: Qwen3.5's template renders a turn's reasoning until the next
+    # user message, so with it every user turn re-reads the tool turns since the last one
+    # (both arms alike), which at 150k tokens on two cores is most of the run's time.
     return json.dumps({"model": MODEL, "messages": arm.history, "tools": list(TOOLS),
                        "stream": True, "stream_options": {"include_usage": True},
-                       "max_tokens": max_tokens, "temperature": 0}).encode()
+                       "max_tokens": max_tokens, "temperature": 0,
+                       "chat_template_kwargs": {"enable_thinking": thinking}}).encode()
 
 
 def send(arm: Arm, body: bytes) -> Json:
@@ -614,6 +627,7 @@ class Session:
     arms: list[Arm]
     engines: tuple[str, ...]
     max_tokens: int
+    thinking: bool = False
 
 
 def busy(engine: str) -> bool:
@@ -639,7 +653,7 @@ def play(session: Session, turn: int) -> Json:
     record: Json = {"turn": turn, "messages": len(arms[0].history), "first": order[0].name}
     for arm in order:
         waited = wait_idle(session.engines)
-        record[arm.name] = send(arm, request_body(arm, session.max_tokens))
+        record[arm.name] = send(arm, request_body(arm, session.max_tokens, session.thinking))
         record[arm.name]["idle_wait_ms"] = waited
     return record
 
@@ -731,24 +745,65 @@ def chars_per_token(engine: str, mean_chars: int = 4_000) -> float:
     return len(sample) / len(tokens.json()["tokens"])
 
 
-def new_session(session: Session, proxy: Proxy, replica: ReplicaProcess,
-                turn: int) -> tuple[Json, ReplicaProcess]:
-    """Restart the proxy (same engine) and send the final history once, a user message
-    added: the proxy knows no session, the engine still holds its prefix."""
-    replica.stop()
-    fresh = proxy.start()
+@contextlib.contextmanager
+def fast_fake(model: Path) -> Iterator[str]:
+    """The fast fake llama-server (``bench/fast_engine.py``: it answers at once) declaring
+    ``model``, whose tokenizer and memory kind the proxy then reads as from engine B."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "bench" / "fast_engine.py"), "--port", str(port),
+         "--slots", "1", "--n-ctx", str(CTX_PER_SLOT), "--model", str(model), "--words", "4",
+         "--token-delay-ms", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
     try:
-        time.sleep(RESTART_SETTLE_S)
-        mine = next(arm for arm in session.arms if arm.name == "prefixpin")
-        mine.client.close()
-        mine.client = client(fresh.url)
-        mine.pid, mine.cpu_after_ns = fresh.process.pid, None
-        added = extend(session.arms, Step("new-session", "user"), turn, 0)
-        record = play(session, turn) | {"phase": "new-session", "kind": "user", **added}
-        checked(record)
-    except BaseException:
-        fresh.stop()
-        raise
+        deadline = time.monotonic() + 30
+        while not _answers(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the fast fake engine did not start")
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def new_session(session: Session, proxy: Proxy, replica: ReplicaProcess, turn: int,
+                model: Path) -> tuple[Json, ReplicaProcess]:
+    """The final history sent once more, a user message added, to a restarted proxy: it
+    knows no session. Its CPU to the first event is the proxy's own work for a new
+    session arriving with a long history, so both arms go to the fast fake engine (the
+    same model declared), which answers at once: on engine B the restarted proxy, which
+    reads no slot it knows nothing about from cache, would wait for the whole history's
+    prefill (tens of minutes at 150k tokens on two cores) and its idle CPU meanwhile."""
+    replica.stop()
+    direct, mine = (next(arm for arm in session.arms if arm.name == name) for name in ARMS)
+    kept = direct.client
+    with fast_fake(model) as fake:
+        fresh = dataclasses.replace(proxy, upstream=fake).start()
+        try:
+            time.sleep(RESTART_SETTLE_S)
+            mine.client.close()
+            direct.client, mine.client = client(fake), client(fresh.url)
+            mine.pid, mine.cpu_after_ns = fresh.process.pid, None
+            added = extend(session.arms, Step("new-session", "user"), turn, 0)
+            record: Json = {"turn": turn, "messages": len(direct.history), "first": mine.name,
+                            "phase": "new-session", "kind": "user", **added}
+            for arm in (mine, direct):
+                record[arm.name] = send(arm, request_body(arm, session.max_tokens,
+                                                          session.thinking))
+                record[arm.name]["idle_wait_ms"] = 0.0
+            checked(record)
+        finally:
+            direct.client.close()
+            direct.client = kept
+            fresh.stop()
     return record, fresh
 
 
@@ -848,7 +903,8 @@ def render(result: Json, other: Json | None) -> str:
         f"{setup['chars_per_token']:.2f} chars a token); calls per tool turn "
         + ", ".join(f"{n}: {share:.0%}" for n, share in setup["calls_per_tool_turn"].items())
         + f"; a user message every {setup['user_every']} "
-        f"growth turns; replies of at most {setup['max_tokens']} tokens",
+        f"growth turns; replies of at most {setup['max_tokens']} tokens; thinking "
+        f"{'on' if setup.get('thinking') else 'off'}",
         "- CPU: the proxy's threads (`/proc/PID/task/*/schedstat`) from just before the "
         "request to the first output event, and to 0.5 s after the stream's end; TTFT: "
         "the first event carrying output; added TTFT: prefixpin minus direct, same turn",
@@ -859,7 +915,9 @@ def render(result: Json, other: Json | None) -> str:
               "## Short follow-ups and a new session", "",
               f"{FOLLOW_UPS} follow-ups of ~{FOLLOW_UP_WORDS} words at ~{EARLY_TOKENS:,} tokens "
               "(early) and at the final length; the new session: the proxy restarted, the "
-              "final history sent once with a user message added.", "", group_table(runs),
+              "final history sent once with a user message added, both arms to the fast fake "
+              "engine (it answers at once: the proxy's own work, not a 150k-token prefill).",
+              "", group_table(runs),
               "", "## Checks", ""]
     for key, value in result["checks"].items():
         lines.append(f"- {key}: {value}")
@@ -956,6 +1014,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="every Nth growth turn adds a user message (the others tool "
                              "results)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply cap per request")
+    parser.add_argument("--thinking", action="store_true",
+                        help="the template's thinking on (every user turn then re-reads the "
+                             "tool turns since the last one, in both arms)")
     parser.add_argument("--max-turns", type=int, default=600, help="a bound on the run")
     parser.add_argument("--proxy-cwd", type=Path,
                         help="run `prefixpin serve` from this checkout (e.g. a worktree)")
@@ -1016,11 +1077,13 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
                     args.user_every)
                 return done.tool_chars
 
-            session = Session(arms, (engine_a.url, engine_b.url), args.max_tokens)
+            session = Session(arms, (engine_a.url, engine_b.url), args.max_tokens,
+                              args.thinking)
             try:
                 grow(session, args, size_tools, done.turns)
                 done.first_proxy_cpu = final_cpu(replica.process.pid)
-                done.new, replica = new_session(session, proxy, replica, len(done.turns))
+                done.new, replica = new_session(session, proxy, replica, len(done.turns),
+                                                model)
                 progress(done.new)
             except (RuntimeError, httpx.HTTPError) as exc:
                 done.error = f"{type(exc).__name__}: {exc}"
@@ -1064,6 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
                   "tool_chars_source": "--tool-chars" if args.tool_chars else "planned",
                   "chars_per_token": round(done.chars_per_token, 3),
                   "max_tokens": args.max_tokens, "user_every": args.user_every,
+                  "thinking": args.thinking,
                   "calls_per_tool_turn": dict(CALLS),
                   "system_chars": len(system_prompt(SEED)),
                   "tools": [t["function"]["name"] for t in TOOLS], "logs": str(logs)},

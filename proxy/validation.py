@@ -303,9 +303,7 @@ def _checked_holds_huge_float(body: dict[str, Any]) -> bool:
     huge = False
     while level:
         depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise BadRequestError(f"request body nests JSON too deeply (more than "
-                                  f"{MAX_JSON_DEPTH} levels)")
+        _check_depth(depth)
         below: list[Any] = []
         for container in level:
             for value in container.values() if type(container) is dict else container:
@@ -382,6 +380,12 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _check_depth(depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise BadRequestError(f"request body nests JSON too deeply (more than "
+                              f"{MAX_JSON_DEPTH} levels)")
+
+
 def check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
     """Nesting depth, level by level over the containers only (no recursion: a hostile
     body cannot exhaust the stack here either; strings are not visited, so a large
@@ -390,9 +394,7 @@ def check_structure(body: dict[str, Any], *, surrogates: bool) -> None:
     depth = 0
     while level:
         depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise BadRequestError(f"request body nests JSON too deeply (more than "
-                                  f"{MAX_JSON_DEPTH} levels)")
+        _check_depth(depth)
         below: list[Any] = []
         for container in level:
             values = container.values() if type(container) is dict else container

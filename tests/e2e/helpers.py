@@ -45,19 +45,26 @@ class StreamCapture:
 
 
 def stream_chat(url: str, body: dict[str, Any], *, timeout: float = 300) -> StreamCapture:
-    """POST a streaming chat request and record when each comment and data event arrived."""
-    start = time.monotonic()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
-                      timeout=timeout) as response:
-        capture = StreamCapture(response.status_code)
-        buffer = b""
-        for chunk in response.iter_raw():
-            if capture.first_byte_s is None:
-                capture.first_byte_s = time.monotonic() - start
-            buffer += chunk
-            while b"\n\n" in buffer:
-                block, buffer = buffer.split(b"\n\n", 1)
-                _record(capture, block.decode(), time.monotonic() - start)
+    """POST a streaming chat request and record when each comment and data event arrived,
+    from when the request is sent (a new httpx client's own set-up, its TLS context, takes
+    20-40 ms here: not the proxy's)."""
+    with httpx.Client(timeout=timeout) as http:
+        start = time.monotonic()
+        with http.stream("POST", f"{url}/v1/chat/completions",
+                         json={**body, "stream": True}) as response:
+            return _captured(response, start)
+
+
+def _captured(response: httpx.Response, start: float) -> StreamCapture:
+    capture = StreamCapture(response.status_code)
+    buffer = b""
+    for chunk in response.iter_raw():
+        if capture.first_byte_s is None:
+            capture.first_byte_s = time.monotonic() - start
+        buffer += chunk
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            _record(capture, block.decode(), time.monotonic() - start)
     return capture
 
 

@@ -71,7 +71,7 @@ def test_openai_sdk_streams_and_folds_through_the_proxy(
 def test_busy_slots_and_a_long_prefill_still_get_first_bytes_and_progress(
         llama: LlamaServerProcess, run_proxy: ProxyRunner,
         erase_slots: Callable[[], None]) -> None:
-    """Both slots busy, then a ~4k-token prefill: bytes within 150 ms, heartbeats while
+    """Both slots busy, then a ~4k-token prefill: bytes within 120 ms, heartbeats while
     queued and with progress while prefilling; the identical resend is served from cache."""
     body = {"messages": [{"role": "system", "content": "You summarise."},
                          {"role": "user", "content": filler(3000)}],
@@ -86,7 +86,8 @@ def test_busy_slots_and_a_long_prefill_still_get_first_bytes_and_progress(
         resend = stream_chat(url, body)
     assert first.status == 200
     assert first.first_byte_s is not None
-    assert first.first_byte_s < 0.150, f"first byte after {first.first_byte_s:.3f} s"
+    # Within --first-byte (100 ms by default) and 20 ms to write and read it.
+    assert first.first_byte_s < 0.120, f"first byte after {first.first_byte_s:.3f} s"
     queued = [text for _, text in first.comments if text == "waiting for the engine"]
     prefill = [text for _, text in first.comments if text.startswith("prefill ")]
     assert queued, first.comments
