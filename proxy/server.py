@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Generator
 from types import FrameType
 
@@ -31,6 +32,11 @@ from prefixpin.proxy.uvicorn_seam import listening_descriptors, protocol_factory
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
+GC_YOUNG_IDLE_S = 0.5  # ... and this often while the loop idles (collect_young)
+IDLE_TICKS = 10  # collect_young's ticks in a row that find the loop idle before it slows
+IDLE_SHARE = 0.02  # a tick whose period the loop's thread spent under this share is idle
+TICK_S = 1.0  # a listener's tick (_Listener.main_loop)
+TICKS_A_SECOND = 10  # uvicorn's, whose count on_tick stamps the date by
 
 
 def serve(settings: Settings) -> int:
@@ -116,9 +122,37 @@ def event_loop(choice: str = "auto") -> asyncio.Runner:
 
 class _Listener(uvicorn.Server):
     """uvicorn's server, accepting every connection waiting on it in one turn of the loop
-    (``proxy.accepting``), not one per turn."""
+    (``proxy.accepting``), not one per turn, and ticking once a second (``main_loop``)."""
 
     drains: tuple[AcceptDrain, ...] = ()
+    _ticker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop of ticks, one a second where uvicorn's ticks ten times: a tick
+        notices ``should_exit`` and stamps the Date header once a second, and two
+        listeners' ten ticks a second were most of the CPU of a proxy waiting on a long
+        prefill. A signal, or the other listener stopping, wakes it at once (``wake``)."""
+        woken = asyncio.Event()
+        self._ticker = (asyncio.get_running_loop(), woken)
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + TICKS_A_SECOND) % 864_000  # the date's step: 10 of uvicorn's
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(TICK_S):
+                    await woken.wait()
+            should_exit = await self.on_tick(counter)
+
+    def wake(self) -> None:
+        """Tick now (``should_exit`` was set): safe from a signal handler or a thread."""
+        if self._ticker is not None:
+            loop, woken = self._ticker
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing ticks
+                loop.call_soon_threadsafe(woken.set)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.wake()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -171,6 +205,8 @@ class _Leader(_Listener):
         super().handle_exit(sig, frame)
         self.follower.should_exit = self.should_exit
         self.follower.force_exit = self.force_exit
+        if isinstance(self.follower, _Listener):
+            self.follower.wake()
 
 
 async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
@@ -183,6 +219,8 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
             pass
         finally:
             other.should_exit = True
+            if isinstance(other, _Listener):
+                other.wake()
 
     collector = asyncio.create_task(collect_young(GC_YOUNG_EVERY_S), name="prefixpin-gc")
     try:
@@ -193,17 +231,26 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
             await collector
 
 
-async def collect_young(every_s: float) -> None:
+async def collect_young(every_s: float, idle_every_s: float = GC_YOUNG_IDLE_S) -> None:
     """The collector's youngest generation, every ``every_s`` on the loop. CPython counts
     towards that collection the objects made less those freed, of any age: when old
     objects die as fast as new ones are made (a long reply's read frames folded away
     while new ones come, under a flood), the count stays low while the young objects
     pile up to tens of thousands, and their collection, when it comes, holds the loop
     for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
-    millisecond's pause."""
+    millisecond's pause. Once the loop's thread has been all but idle for ``IDLE_TICKS``
+    ticks in a row (waiting on a long prefill, or on nothing), it cannot be piling objects
+    up, and the timer slows to ``idle_every_s`` until a tick finds it working: a wake-up
+    costs more than the collection (0.12-0.15 ms of CPU on a virtual machine), and twenty a
+    second were most of an idle proxy's CPU."""
+    period, idle_ticks, cpu = every_s, 0, time.thread_time()
     while True:
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(period)
         gc.collect(0)
+        now = time.thread_time()
+        idle_ticks = idle_ticks + 1 if now - cpu < period * IDLE_SHARE else 0
+        cpu = now
+        period = idle_every_s if idle_ticks >= IDLE_TICKS else every_s
 
 
 def _with_embedded_model(settings: Settings) -> Settings:
