@@ -4,7 +4,8 @@ prompt's length, beside the same session sent straight to an identical engine.
     python -m bench.long [--target-tokens 150000] [--min-messages 200] [--tool-chars N]
                          [--user-every 4] [--max-tokens 8] [--proxy-cwd PATH]
                          [--proxy-arg ARG ...] [--label NAME] [--compare OTHER/result.json]
-                         [--out bench/results/long]
+                         [--thinking] [--out bench/results/long]
+    python -m bench.long --render RUN/result.json [--compare OTHER/result.json] --out DIR
 
 Engines: two identical llama-servers (the rig's, at their default flags plus
 ``--slot-save-path``, one slot of 262,144 tokens, ``-n 16``) on the rig's tiny random-weight
@@ -1024,6 +1025,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="one more `prefixpin serve` argument (repeat)")
     parser.add_argument("--label", help="what this run is (e.g. before, after)")
     parser.add_argument("--compare", type=Path, help="another run's result.json to show beside")
+    parser.add_argument("--render", type=Path,
+                        help="run nothing: write this recorded result.json's report again "
+                             "(with --compare, beside another)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/long"))
     return parser.parse_args(argv)
 
@@ -1106,10 +1110,12 @@ def default_label(described: Json) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    other = json.loads(args.compare.read_text()) if args.compare else None
+    if args.render is not None:  # a recorded run, its report written again
+        return report(json.loads(args.render.read_text()), other, args.out)
     began = time.monotonic()
     tree = tree_of(args.proxy_cwd)
     described = tree.describe()
-    other = json.loads(args.compare.read_text()) if args.compare else None
     model = ensure_tiny_model(MODEL)
     logs = Path(tempfile.mkdtemp(prefix="prefixpin-long-"))
     done = run(args, tree, model, logs)
@@ -1137,14 +1143,21 @@ def main(argv: list[str] | None = None) -> int:
         "new_session_summary": summarize([done.new]) if done.new else None,
         "checks": checks(turns, done.first_proxy_cpu), "error": done.error, "turns": turns,
     }
-    runs = runs_of(result, other)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "RUN.md").write_text(render(result, other))
-    plot(args.out / "cpu_vs_tokens.png", runs)
-    print(band_table(runs))
-    print(f"\nwrote {args.out}/RUN.md, result.json, cpu_vs_tokens.png; logs in {logs}")
+    report(result, other, args.out)
+    print(f"logs in {logs}")
     return 1 if done.error else 0
+
+
+def report(result: Json, other: Json | None, out: Path) -> int:
+    """``result.json``, ``RUN.md`` and the plot in ``out``; the band table printed."""
+    runs = runs_of(result, other)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "RUN.md").write_text(render(result, other))
+    plot(out / "cpu_vs_tokens.png", runs)
+    print(band_table(runs))
+    print(f"\nwrote {out}/RUN.md, result.json, cpu_vs_tokens.png")
+    return 0
 
 
 if __name__ == "__main__":
