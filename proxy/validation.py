@@ -282,12 +282,8 @@ def parse_checked(raw: bytes) -> dict[str, Any]:
     """``parse_object``, then ``check_structure``. A body orjson parsed holds no lone
     surrogate (orjson refuses one), so only a body the standard library parsed has its
     strings searched (the raw bytes' search alone costs half of orjson's parse)."""
-    if not raw.strip():
-        raise BadRequestError("request body is empty; expected a JSON object")
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        value = None
+    _check_not_empty(raw)
+    value = _orjson_or_none(raw)
     if isinstance(value, dict) and not _checked_holds_huge_float(value):
         return without_engine_controls(value)
     body = without_engine_controls(_parse_strict(raw))
@@ -317,8 +313,7 @@ def _checked_holds_huge_float(body: dict[str, Any]) -> bool:
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise BadRequestError("request body is empty; expected a JSON object")
+    _check_not_empty(raw)
     value = _parse_fast(raw)
     if isinstance(value, dict):
         return without_engine_controls(value)
@@ -330,11 +325,20 @@ def _parse_fast(raw: bytes) -> Any:
     None where the standard library must decide: whatever orjson refuses (the standard
     library's verdict and message are the ones clients get), and any body holding a float
     of 2**63 or more, which may be an integer orjson read as a float (parsed again exactly)."""
+    value = _orjson_or_none(raw)
+    return None if _holds_huge_float(value) else value
+
+
+def _check_not_empty(raw: bytes) -> None:
+    if not raw.strip():
+        raise BadRequestError("request body is empty; expected a JSON object")
+
+
+def _orjson_or_none(raw: bytes) -> Any:
     try:
-        value = orjson.loads(raw)
+        return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    return None if _holds_huge_float(value) else value
 
 
 def _holds_huge_float(value: Any) -> bool:

@@ -83,10 +83,19 @@ async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],
                                   messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` and then any user turn starts with:
     the two renderings of ``_NEXT_TURNS`` share exactly that."""
+    first, second = ({"role": "user", "content": text} for text in _NEXT_TURNS)
+    return await tokens_shared(adapter, body, messages, first, second)
+
+
+async def tokens_shared(adapter: Adapter, body: Mapping[str, Any],
+                        messages: Sequence[Mapping[str, Any]], one: Mapping[str, Any],
+                        other: Mapping[str, Any]) -> list[int]:
+    """The tokens ``body`` rendered with ``messages`` then ``one``, and with ``messages``
+    then ``other``, start with: what any next message after ``messages`` leaves as it is,
+    where the two differ from their first token."""
     renderings = []
-    for text in _NEXT_TURNS:
-        prompt = await adapter.apply_template(
-            {**body, "messages": [*messages, {"role": "user", "content": text}]})
+    for last in (one, other):
+        prompt = await adapter.apply_template({**body, "messages": [*messages, last]})
         renderings.append(await adapter.tokenize(prompt, add_special=True))
     first, second = renderings
     return first[:common_prefix(first, second)]

@@ -45,7 +45,7 @@ from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.logs import log_event
 from prefixpin.proxy.metrics import Metrics
-from prefixpin.proxy.parking.anchor import prompt_tokens, tokens_before_user_turn
+from prefixpin.proxy.parking.anchor import prompt_tokens, tokens_before_user_turn, tokens_shared
 from prefixpin.proxy.parking.slotfile import unlink
 from prefixpin.proxy.system_turns import SYSTEM_ROLES
 from prefixpin.proxy.tokens import common_prefix
@@ -102,14 +102,9 @@ async def first_turn_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[i
     first_turn = _first_turn_length(messages)
     if len(messages) <= first_turn:
         return await prompt_tokens(adapter, body)
-    head = messages[:first_turn]
-    renderings = []
-    for role in ("user", "assistant"):
-        prompt = await adapter.apply_template(
-            {**body, "messages": [*head, {"role": role, "content": "A"}]})
-        renderings.append(await adapter.tokenize(prompt, add_special=True))
-    first, second = renderings
-    return first[:common_prefix(first, second)]
+    return await tokens_shared(adapter, body, messages[:first_turn],
+                               {"role": "user", "content": "A"},
+                               {"role": "assistant", "content": "A"})
 
 
 def _first_turn_length(messages: Sequence[Any]) -> int:
