@@ -45,6 +45,7 @@ from prefixpin.proxy.engines import (
     read_engine,
     redetect,
 )
+from prefixpin.proxy.history import DigestMemo
 from prefixpin.proxy.inflight import InFlight
 from prefixpin.proxy.isolation import ApiNotServedError, NamespaceNotServedError, refusal
 from prefixpin.proxy.lane import Lane, SharedState
@@ -83,6 +84,7 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self.tenants = tenants
         self.bodies = bodies  # --max-bodies: every body's bytes while it is read and parsed
+        self.digests = DigestMemo()  # the messages of recent requests (Incoming.of)
 
     # -- the request path -------------------------------------------------------------
 
@@ -164,7 +166,8 @@ class Router:
         if lane.mid_system_in_place and has_mid_system(client.body.get("messages")):
             client = dataclasses.replace(
                 client, body={**client.body, "messages": in_place(client.body["messages"])})
-        incoming = Incoming.of(client, codec, headers, namespace, placement, moved)
+        incoming = Incoming.of(client, codec, headers, namespace, placement, moved,
+                               memo=self.digests)
         return await lane.service.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:

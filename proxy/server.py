@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Generator
+from email.utils import formatdate
 from types import FrameType
 
 import uvicorn
-from uvicorn.server import HANDLED_SIGNALS
+from uvicorn.server import HANDLED_SIGNALS, ServerState
 
 from prefixpin.core import compiled_relay
 from prefixpin.proxy.accepting import AcceptDrain
@@ -32,11 +33,9 @@ from prefixpin.proxy.uvicorn_seam import listening_descriptors, protocol_factory
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
-GC_YOUNG_IDLE_S = 0.5  # ... and this often while the loop idles (collect_young)
-IDLE_TICKS = 10  # collect_young's ticks in a row that find the loop idle before it slows
+IDLE_TICKS = 10  # collect_young's ticks in a row that find the loop idle before it stops
+GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
 IDLE_SHARE = 0.02  # a tick whose period the loop's thread spent under this share is idle
-TICK_S = 1.0  # a listener's tick (_Listener.main_loop)
-TICKS_A_SECOND = 10  # uvicorn's, whose count on_tick stamps the date by
 
 
 def serve(settings: Settings) -> int:
@@ -120,39 +119,75 @@ def event_loop(choice: str = "auto") -> asyncio.Runner:
     return asyncio.Runner()
 
 
+class _DatedState(ServerState):
+    """uvicorn's state shared by a listener's connections, whose default headers carry a
+    Date stamped when a response reads them (a new one at most once a second), where
+    uvicorn stamps it on a timer ten times a second: an idle listener never wakes."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._config = config
+        self._second = -1
+        self._headers: list[tuple[bytes, bytes]] = []
+        super().__init__()
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            config = self._config
+            stamp = formatdate(second, usegmt=True).encode()
+            self._headers = ([(b"date", stamp)] if config.date_header else []) + \
+                config.encoded_headers
+        return self._headers
+
+    @default_headers.setter
+    def default_headers(self, value: list[tuple[bytes, bytes]]) -> None:
+        """uvicorn's own stamps land here (its ``__init__``'s empty list): the reader stamps."""
+
+
 class _Listener(uvicorn.Server):
     """uvicorn's server, accepting every connection waiting on it in one turn of the loop
-    (``proxy.accepting``), not one per turn, and ticking once a second (``main_loop``)."""
+    (``proxy.accepting``), and asleep until it is told to stop (``main_loop``)."""
 
     drains: tuple[AcceptDrain, ...] = ()
     _ticker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+    _exiting = False
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.server_state = _DatedState(config)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exiting
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """uvicorn's way to stop a server, which wakes this one (a signal's handler, the
+        other listener stopping, a test)."""
+        self._exiting = value
+        if value:
+            self.wake()
 
     async def main_loop(self) -> None:
-        """uvicorn's loop of ticks, one a second where uvicorn's ticks ten times: a tick
-        notices ``should_exit`` and stamps the Date header once a second, and two
-        listeners' ten ticks a second were most of the CPU of a proxy waiting on a long
-        prefill. A signal, or the other listener stopping, wakes it at once (``wake``)."""
+        """Until ``should_exit``: uvicorn's loop ticks ten times a second to notice it and
+        to stamp the Date header, and every tick is a wake-up (0.12-0.15 ms of CPU on a
+        virtual machine) paid for each second a request waits on a long prefill. Here a
+        ``should_exit`` set wakes it, and the header is stamped when a response reads it
+        (``_DatedState``)."""
         woken = asyncio.Event()
         self._ticker = (asyncio.get_running_loop(), woken)
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            counter = (counter + TICKS_A_SECOND) % 864_000  # the date's step: 10 of uvicorn's
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(TICK_S):
-                    await woken.wait()
-            should_exit = await self.on_tick(counter)
+        while not self.should_exit:
+            await woken.wait()
+            woken.clear()
 
     def wake(self) -> None:
-        """Tick now (``should_exit`` was set): safe from a signal handler or a thread."""
+        """Look at ``should_exit`` now: safe from a signal handler or a thread."""
         if self._ticker is not None:
             loop, woken = self._ticker
             with contextlib.suppress(RuntimeError):  # the loop has closed: nothing ticks
                 loop.call_soon_threadsafe(woken.set)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        self.wake()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -205,8 +240,6 @@ class _Leader(_Listener):
         super().handle_exit(sig, frame)
         self.follower.should_exit = self.should_exit
         self.follower.force_exit = self.force_exit
-        if isinstance(self.follower, _Listener):
-            self.follower.wake()
 
 
 async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
@@ -219,8 +252,6 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
             pass
         finally:
             other.should_exit = True
-            if isinstance(other, _Listener):
-                other.wake()
 
     collector = asyncio.create_task(collect_young(GC_YOUNG_EVERY_S), name="prefixpin-gc")
     try:
@@ -231,26 +262,57 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
             await collector
 
 
-async def collect_young(every_s: float, idle_every_s: float = GC_YOUNG_IDLE_S) -> None:
+async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS) -> None:
     """The collector's youngest generation, every ``every_s`` on the loop. CPython counts
     towards that collection the objects made less those freed, of any age: when old
     objects die as fast as new ones are made (a long reply's read frames folded away
     while new ones come, under a flood), the count stays low while the young objects
     pile up to tens of thousands, and their collection, when it comes, holds the loop
     for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
-    millisecond's pause. Once the loop's thread has been all but idle for ``IDLE_TICKS``
+    millisecond's pause. Once the loop's thread has been all but idle for ``idle_ticks``
     ticks in a row (waiting on a long prefill, or on nothing), it cannot be piling objects
-    up, and the timer slows to ``idle_every_s`` until a tick finds it working: a wake-up
-    costs more than the collection (0.12-0.15 ms of CPU on a virtual machine), and twenty a
-    second were most of an idle proxy's CPU."""
-    period, idle_ticks, cpu = every_s, 0, time.thread_time()
+    up, and the timer stops until objects pile up again (``until_objects_pile``): a
+    wake-up costs more than the collection (0.12-0.15 ms of CPU on a virtual machine),
+    paid for each second a request waits on a long prefill."""
+    idle, cpu = 0, time.thread_time()
     while True:
-        await asyncio.sleep(period)
+        await asyncio.sleep(every_s)
         gc.collect(0)
         now = time.thread_time()
-        idle_ticks = idle_ticks + 1 if now - cpu < period * IDLE_SHARE else 0
+        idle = idle + 1 if now - cpu < every_s * IDLE_SHARE else 0
+        if idle >= idle_ticks:
+            await until_objects_pile()
+            idle, now = 0, time.thread_time()
         cpu = now
-        period = idle_every_s if idle_ticks >= IDLE_TICKS else every_s
+
+
+async def until_objects_pile(tripwire: int = GC_TRIPWIRE) -> None:
+    """Until the interpreter collects on its own count, lowered to ``tripwire`` objects
+    made and not freed: work has started again. Work that piles objects the count does not
+    see (old ones freed as new ones are made) starts with a log or a body growing, which
+    it sees."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    tripped = False
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        nonlocal tripped  # (any thread's allocation may collect: the loop is told safely)
+        if phase == "start" and not tripped:
+            tripped = True
+            loop.call_soon_threadsafe(wake)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(tripwire, *thresholds[1:])
+    gc.callbacks.append(on_collection)
+    try:
+        await woken
+    finally:
+        gc.callbacks.remove(on_collection)
+        gc.set_threshold(*thresholds)
 
 
 def _with_embedded_model(settings: Settings) -> Settings:

@@ -34,7 +34,7 @@ from prefixpin.core.figures import Figures, figures_from
 from prefixpin.fingerprint import Chain
 from prefixpin.proxy.codecs import Codec
 from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.history import Shape, digest
+from prefixpin.proxy.history import DigestMemo, Shape
 from prefixpin.proxy.identity import ExplicitIdentity, explicit_identity
 from prefixpin.proxy.inflight import InFlight, JoinIntent, inflight_key
 from prefixpin.proxy.logs import get_logger, log_event
@@ -98,10 +98,12 @@ class Incoming:
 
     @classmethod
     def of(cls, client: ClientRequest, codec: Codec, headers: Mapping[str, str],
-           namespace: str, placement: str | None = None, moved: bool = False) -> Incoming:
-        """The request with what every planner reads of it computed once."""
+           namespace: str, placement: str | None = None, moved: bool = False, *,
+           memo: DigestMemo) -> Incoming:
+        """The request with what every planner reads of it computed once (its messages'
+        digests through ``memo``: those of the history it resends are known)."""
         return cls(client, codec, headers, namespace, explicit_identity(client.body, headers),
-                   _message_digests(client.body), placement, moved)
+                   _message_digests(client.body, memo), placement, moved)
 
 
 @dataclass(slots=True)
@@ -490,11 +492,11 @@ def request_key(incoming: Incoming) -> bytes:
                         client.body, incoming.digests)
 
 
-def _message_digests(body: Mapping[str, Any]) -> list[bytes]:
+def _message_digests(body: Mapping[str, Any], memo: DigestMemo) -> list[bytes]:
     """The digest of each of the body's ``messages`` (none when it has none, or holds
     something that is not a list of them: left for the planner to judge, as ever)."""
     try:
-        return [digest(m) for m in body.get("messages") or []]
+        return memo.digests(body.get("messages") or [])
     except TypeError:  # not iterable (a completions body's stray "messages": 5)
         return []
 

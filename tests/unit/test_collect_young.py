@@ -50,3 +50,43 @@ async def test_the_young_generation_is_collected_on_time_whatever_the_count() ->
     if sys.version_info < (3, 14):  # (3.14's collector is incremental: another count)
         assert piled >= 40_000  # CPython's own count let them pile up
     assert after < 10_000  # the timer's collections kept them few
+
+
+async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> None:
+    """Idle for its ticks, the collector sleeps without a timer (a wake-up is paid for
+    every second a request waits on a prefill); objects made and kept wake it, and it
+    collects on its timer again, whatever the count does next."""
+    old = [[i] for i in range(200_000)]
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    timed: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            timed.append(info["generation"])
+
+    kept: list[list[int]] = []
+    gc.callbacks.append(count)
+    try:
+        collector = asyncio.create_task(collect_young(0.05, idle_ticks=3))
+        await asyncio.sleep(0.3)  # idle: three ticks, then the timer stops
+        timed.clear()
+        await asyncio.sleep(0.6)  # (a timer, however slow, would have ticked)
+        asleep = len(timed)
+        kept.extend([0] for _ in range(5_000))  # work starts: the count passes the tripwire
+        for _ in range(20):
+            for _ in range(2_000):  # then old objects die as fast as new ones are made
+                old.pop()
+                kept.append([0])
+            await asyncio.sleep(0.02)
+        after = young()
+        collector.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await collector
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*thresholds)
+    assert asleep == 0  # no collection while the loop idled
+    assert gc.get_threshold() == thresholds
+    assert after < 10_000  # the timer collects again

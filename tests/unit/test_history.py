@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixpin.proxy.history import Committed, canonical, decide
+from prefixpin.proxy.history import Committed, DigestMemo, canonical, decide, digest
 
 Message = dict[str, Any]
 SYSTEM: Message = {"role": "system", "content": "You are a coding agent."}
@@ -155,3 +155,34 @@ def test_a_commit_that_rewrites_the_history_starts_afresh() -> None:
     changed = body([SYSTEM, {"role": "user", "content": "Another task"}, REPLY])
     again = Committed.of_chat(changed, previous=COMMITTED)
     assert again == Committed.of_chat(changed)
+
+
+_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.text(max_size=120)}),
+    max_size=8)
+
+
+@given(_MESSAGES, _MESSAGES)
+def test_the_memo_gives_each_message_its_own_digest(first: list[Any], second: list[Any]) -> None:
+    """Found again or made, a message's digest is ``digest``'s: a message whose length and
+    edges match another's, and whose middle differs, is not taken for it."""
+    memo = DigestMemo()
+    assert memo.digests(first) == [digest(m) for m in first]
+    assert memo.digests(first + second) == [digest(m) for m in first + second]
+
+
+def test_the_memo_tells_apart_messages_that_differ_only_in_the_middle() -> None:
+    memo = DigestMemo()
+    a = {"role": "tool", "content": "x" * 200 + "a" + "y" * 200}
+    b = {"role": "tool", "content": "x" * 200 + "b" + "y" * 200}
+    assert memo.digests([a, b, a]) == [digest(a), digest(b), digest(a)]
+
+
+def test_the_memo_holds_at_most_its_bytes_the_newest_kept() -> None:
+    memo = DigestMemo(max_bytes=10_000)
+    messages = [{"role": "user", "content": f"{i:04d}" + "z" * 1_000} for i in range(50)]
+    assert memo.digests(messages) == [digest(m) for m in messages]
+    assert 9_000 <= memo.held_bytes <= 10_000
+    assert memo.digests(messages[-5:]) == [digest(m) for m in messages[-5:]]
+    assert memo.digests([{"role": "user", "content": "w" * 20_000}])  # too big to hold
+    assert memo.held_bytes <= 10_000

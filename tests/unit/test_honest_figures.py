@@ -32,7 +32,7 @@ from prefixpin.proxy.affinity import AffinityPlanner
 from prefixpin.proxy.aggregate import aggregate
 from prefixpin.proxy.codecs import codec_of
 from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.history import Committed, canonical, decide, digest
+from prefixpin.proxy.history import Committed, DigestMemo, canonical, decide, digest
 from prefixpin.proxy.metrics import Metrics
 from prefixpin.proxy.placement import SlotPool
 from prefixpin.proxy.relay import _ensure_usage, heartbeat_text
@@ -326,7 +326,8 @@ async def _run_planner(repair: bool, turns: list[tuple[str | None, tuple[
             client = parse_request(json.dumps({"messages": messages}).encode(), "chat",
                                    "/v1/chat/completions", max_messages=100)
             before = {s.id: s.committed for s in store}
-            plan = await planner.plan(Incoming.of(client, codec_of(client), headers, ANONYMOUS),
+            plan = await planner.plan(Incoming.of(client, codec_of(client), headers, ANONYMOUS,
+                                                  memo=DigestMemo()),
                                       backend)
             session = store.get(plan.session or "")
             assert session is not None
