@@ -33,7 +33,7 @@ from prefixpin.proxy.uvicorn_seam import listening_descriptors, protocol_factory
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
-IDLE_TICKS = 10  # collect_young's ticks in a row that find the loop idle before it stops
+IDLE_TICKS = 2  # collect_young's ticks in a row that find the loop idle before it stops
 GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
 IDLE_SHARE = 0.02  # a tick whose period the loop's thread spent under this share is idle
 
