@@ -33,7 +33,8 @@ from prefixpin.proxy.uvicorn_seam import listening_descriptors, protocol_factory
 
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
-IDLE_TICKS = 2  # collect_young's ticks in a row that find the loop idle before it stops
+IDLE_TICKS = 2  # collect_young's ticks in a row that find the process idle before it slows
+GC_YOUNG_IDLE_S = 1.0  # ... to this period (or less: until_objects_pile)
 GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
 IDLE_SHARE = 0.02  # a tick whose period the loop's thread spent under this share is idle
 
@@ -262,35 +263,38 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
             await collector
 
 
-async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS) -> None:
+async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
+                        idle_every_s: float = GC_YOUNG_IDLE_S) -> None:
     """The collector's youngest generation, every ``every_s`` on the loop. CPython counts
     towards that collection the objects made less those freed, of any age: when old
     objects die as fast as new ones are made (a long reply's read frames folded away
     while new ones come, under a flood), the count stays low while the young objects
     pile up to tens of thousands, and their collection, when it comes, holds the loop
     for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
-    millisecond's pause. Once the loop's thread has been all but idle for ``idle_ticks``
-    ticks in a row (waiting on a long prefill, or on nothing), it cannot be piling objects
-    up, and the timer stops until objects pile up again (``until_objects_pile``): a
-    wake-up costs more than the collection (0.12-0.15 ms of CPU on a virtual machine),
-    paid for each second a request waits on a long prefill."""
-    idle, cpu = 0, time.thread_time()
+    millisecond's pause. Once the process (the loop, and the compiled relay's thread) has
+    been all but idle for ``idle_ticks`` ticks in a row (waiting on a long prefill, or on
+    nothing), it cannot be piling objects up: the next tick waits ``idle_every_s``, or
+    less if objects pile up (``until_objects_pile``), since a wake-up costs more than the
+    collection (0.12-0.15 ms of CPU on a virtual machine), paid for each second a request
+    waits on a long prefill. A flood that starts meanwhile without the count seeing it is
+    found busy by that tick."""
+    idle, cpu, wall = 0, time.process_time(), time.monotonic()
     while True:
-        await asyncio.sleep(every_s)
-        gc.collect(0)
-        now = time.thread_time()
-        idle = idle + 1 if now - cpu < every_s * IDLE_SHARE else 0
+        piling = False
         if idle >= idle_ticks:
-            await until_objects_pile()
-            idle, now = 0, time.thread_time()
-        cpu = now
+            piling = await until_objects_pile(idle_every_s)
+        else:
+            await asyncio.sleep(every_s)
+        gc.collect(0)
+        now_cpu, now_wall = time.process_time(), time.monotonic()
+        quiet = not piling and now_cpu - cpu < (now_wall - wall) * IDLE_SHARE
+        idle = idle + 1 if quiet else 0
+        cpu, wall = now_cpu, now_wall
 
 
-async def until_objects_pile(tripwire: int = GC_TRIPWIRE) -> None:
+async def until_objects_pile(at_most_s: float, tripwire: int = GC_TRIPWIRE) -> bool:
     """Until the interpreter collects on its own count, lowered to ``tripwire`` objects
-    made and not freed: work has started again. Work that piles objects the count does not
-    see (old ones freed as new ones are made) starts with a log or a body growing, which
-    it sees."""
+    made and not freed (work has started again: True), or ``at_most_s`` (False)."""
     loop = asyncio.get_running_loop()
     woken = loop.create_future()
     tripped = False
@@ -309,10 +313,13 @@ async def until_objects_pile(tripwire: int = GC_TRIPWIRE) -> None:
     gc.set_threshold(tripwire, *thresholds[1:])
     gc.callbacks.append(on_collection)
     try:
-        await woken
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most_s):
+                await woken
     finally:
         gc.callbacks.remove(on_collection)
         gc.set_threshold(*thresholds)
+    return tripped
 
 
 def _with_embedded_model(settings: Settings) -> Settings:

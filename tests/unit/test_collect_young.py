@@ -53,9 +53,9 @@ async def test_the_young_generation_is_collected_on_time_whatever_the_count() ->
 
 
 async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> None:
-    """Idle for its ticks, the collector sleeps without a timer (a wake-up is paid for
-    every second a request waits on a prefill); objects made and kept wake it, and it
-    collects on its timer again, whatever the count does next."""
+    """Idle for its ticks, the collector sleeps for its idle period (a wake-up is paid
+    for every second a request waits on a prefill); objects made and kept wake it before
+    that, and it collects on its timer again, whatever the count does next."""
     old = [[i] for i in range(200_000)]
     gc.collect()
     thresholds = gc.get_threshold()
@@ -69,7 +69,7 @@ async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> Non
     kept: list[list[int]] = []
     gc.callbacks.append(count)
     try:
-        collector = asyncio.create_task(collect_young(0.05, idle_ticks=3))
+        collector = asyncio.create_task(collect_young(0.05, idle_ticks=3, idle_every_s=5.0))
         await asyncio.sleep(0.3)  # idle: three ticks, then the timer stops
         timed.clear()
         await asyncio.sleep(0.6)  # (a timer, however slow, would have ticked)
@@ -90,3 +90,28 @@ async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> Non
     assert asleep == 0  # no collection while the loop idled
     assert gc.get_threshold() == thresholds
     assert after < 10_000  # the timer collects again
+
+
+async def test_a_flood_the_count_misses_is_found_by_the_idle_tick() -> None:
+    """Old objects freed as fast as new ones are made, from an idle start: the count never
+    trips, and the idle period's tick finds the process busy."""
+    old = [[i] for i in range(400_000)]
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    kept: list[list[int]] = []
+    try:
+        collector = asyncio.create_task(collect_young(0.05, idle_ticks=2, idle_every_s=0.3))
+        await asyncio.sleep(0.5)  # idle: the ticks slow to the idle period
+        for _ in range(40):
+            for _ in range(4_000):
+                old.pop()
+                kept.append([0])
+            await asyncio.sleep(0.02)
+        after = young()
+        collector.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await collector
+    finally:
+        gc.set_threshold(*thresholds)
+    assert after < 10_000
