@@ -20,6 +20,21 @@ def young() -> int:
     return len(gc.get_objects(generation=0))
 
 
+async def churn(old: list[list[int]], kept: list[list[int]], rounds: int, each: int) -> None:
+    """A young object made for each old one freed, a turn of the loop between rounds."""
+    for _ in range(rounds):
+        for _ in range(each):
+            old.pop()
+            kept.append([0])
+        await asyncio.sleep(0.02)
+
+
+async def stop(collector: asyncio.Task[None]) -> None:
+    collector.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await collector
+
+
 async def test_the_young_generation_is_collected_on_time_whatever_the_count() -> None:
     """Objects made while as many old ones are freed never bring CPython's count to its
     threshold: only the timer collects them."""
@@ -75,15 +90,9 @@ async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> Non
         await asyncio.sleep(0.6)  # (a timer, however slow, would have ticked)
         asleep = len(timed)
         kept.extend([0] for _ in range(5_000))  # work starts: the count passes the tripwire
-        for _ in range(20):
-            for _ in range(2_000):  # then old objects die as fast as new ones are made
-                old.pop()
-                kept.append([0])
-            await asyncio.sleep(0.02)
+        await churn(old, kept, rounds=20, each=2_000)  # then the count stands still
         after = young()
-        collector.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await collector
+        await stop(collector)
     finally:
         gc.callbacks.remove(count)
         gc.set_threshold(*thresholds)
@@ -103,15 +112,9 @@ async def test_a_flood_the_count_misses_is_found_by_the_idle_tick() -> None:
     try:
         collector = asyncio.create_task(collect_young(0.05, idle_ticks=2, idle_every_s=0.3))
         await asyncio.sleep(0.5)  # idle: the ticks slow to the idle period
-        for _ in range(40):
-            for _ in range(4_000):
-                old.pop()
-                kept.append([0])
-            await asyncio.sleep(0.02)
+        await churn(old, kept, rounds=40, each=4_000)
         after = young()
-        collector.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await collector
+        await stop(collector)
     finally:
         gc.set_threshold(*thresholds)
     assert after < 10_000
