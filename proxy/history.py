@@ -98,7 +98,11 @@ def canonical(value: Any) -> str:
 
 
 def digest(value: Any) -> bytes:
-    return blake3.blake3(canonical_bytes(value)).digest(length=16)
+    return _digest_of(canonical_bytes(value))
+
+
+def _digest_of(data: bytes) -> bytes:
+    return blake3.blake3(data).digest(length=16)
 
 
 MEMO_BYTES = 64 << 20  # the canonical bytes a DigestMemo holds, at most
@@ -108,8 +112,8 @@ MEMO_EDGE = 48  # the bytes of each end of a message that key it in the memo
 class DigestMemo:
     """The digests of the messages of recent requests, found again by their canonical
     bytes: every turn of a session resends its whole history, and only the messages it
-    adds need hashing (hashing a 150k-token history message by message is most of a
-    millisecond; finding its messages here, a compare of their bytes, a tenth of that).
+    adds need hashing (a 347-message, 600 kB history: 0.77 ms hashed message by message,
+    0.33 ms found here, where each message's canonical bytes are still made and compared).
     Keyed by each message's length and edges, and confirmed by its whole bytes; the least
     recently used dropped first, beyond ``max_bytes``."""
 
@@ -130,7 +134,7 @@ class DigestMemo:
                 held.move_to_end(key)
                 out.append(found[1])
                 continue
-            made = blake3.blake3(data).digest(length=16)
+            made = _digest_of(data)
             self._hold(key, data, made)
             out.append(made)
         return out

@@ -36,7 +36,7 @@ GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (col
 IDLE_TICKS = 2  # collect_young's ticks in a row that find the process idle before it slows
 GC_YOUNG_IDLE_S = 1.0  # ... to this period (or less: until_objects_pile)
 GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
-IDLE_SHARE = 0.02  # a tick whose period the loop's thread spent under this share is idle
+IDLE_SHARE = 0.02  # a tick whose period the process spent under this share of CPU is idle
 
 
 def serve(settings: Settings) -> int:

@@ -67,7 +67,7 @@ async def test_the_young_generation_is_collected_on_time_whatever_the_count() ->
     assert after < 10_000  # the timer's collections kept them few
 
 
-async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> None:
+async def test_an_idle_loop_slows_the_timer_until_objects_pile_up_again() -> None:
     """Idle for its ticks, the collector sleeps for its idle period (a wake-up is paid
     for every second a request waits on a prefill); objects made and kept wake it before
     that, and it collects on its timer again, whatever the count does next."""
@@ -85,7 +85,7 @@ async def test_an_idle_loop_stops_the_timer_until_objects_pile_up_again() -> Non
     gc.callbacks.append(count)
     try:
         collector = asyncio.create_task(collect_young(0.05, idle_ticks=3, idle_every_s=5.0))
-        await asyncio.sleep(0.3)  # idle: three ticks, then the timer stops
+        await asyncio.sleep(0.3)  # idle: three ticks, then the timer slows (to 5 s here)
         timed.clear()
         await asyncio.sleep(0.6)  # (a timer, however slow, would have ticked)
         asleep = len(timed)
