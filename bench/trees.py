@@ -44,8 +44,12 @@ try:
     build = importlib.import_module("{package}proxy.interpreter").interpreter_build().fields()
 except ImportError:
     build = {{}}
+try:
+    compiled = importlib.import_module("{package}core.compiled_relay").available()
+except ImportError:
+    compiled = False
 print(cli.__file__); print(adapters.__file__); print(sys.executable)
-print(json.dumps(build))
+print(json.dumps(build)); print(json.dumps(compiled))
 """
 
 
@@ -96,7 +100,7 @@ class Tree:
         probe = subprocess.run([self.python, "-c", _PROBE.format(package=self.package)],
                                capture_output=True, text=True, check=True,
                                **self.popen_kwargs())
-        cli, adapters, executable, build = probe.stdout.splitlines()[:4]
+        cli, adapters, executable, build, compiled = probe.stdout.splitlines()[:5]
         for module in (cli, adapters):
             if not Path(module).resolve().is_relative_to(self.root):
                 raise SystemExit(f"an arm meant to run {self.root} imports {module}")
@@ -105,7 +109,21 @@ class Tree:
                 "local_changes": _git(self.root, "status", "--porcelain", "--", "proxy",
                                       "core", "adapters", "fingerprint").splitlines(),
                 "proxy_cli": cli, "adapters": adapters,
-                "python": {"executable": executable, **json.loads(build)}}
+                "python": {"executable": executable, **json.loads(build)},
+                # A worktree holds no build of core/_relay.c: its arm would relay in Python.
+                "compiled_relay": json.loads(compiled)}
+
+
+def same_relay(described: dict[str, dict[str, Any]]) -> None:
+    """Refuse to compare arms of which some relay in C and some in Python: the bench would
+    measure the relay's language, not the trees."""
+    relays = {name: facts["compiled_relay"] for name, facts in described.items()}
+    if len(set(relays.values())) > 1:
+        missing = [str(described[name]["root"]) for name, compiled in relays.items()
+                   if not compiled]
+        raise SystemExit(f"arms differ in their relay ({relays}): build core/_relay.c in "
+                         f"{', '.join(missing)} (pip install -e there, or copy this tree's "
+                         "core/_relay*.so when core/_relay.c is the same)")
 
 
 def interpreter_line(python: dict[str, Any]) -> str:
@@ -121,9 +139,10 @@ def interpreter_line(python: dict[str, Any]) -> str:
 
 def tree_line(described: dict[str, Any]) -> str:
     """A described tree (``Tree.describe``) in a line: where it is, its commit, its local
-    product changes, the interpreter it ran on."""
+    product changes, its relay, the interpreter it ran on."""
+    relay = "compiled" if described.get("compiled_relay") else "Python"
     return (f"{described['root']} (commit {described['commit'][:9]}, uncommitted product "
-            f"changes: {len(described['local_changes'])}); "
+            f"changes: {len(described['local_changes'])}, {relay} relay); "
             + interpreter_line(described.get("python") or {}))
 
 

@@ -294,7 +294,9 @@ async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
 
 async def until_objects_pile(at_most_s: float, tripwire: int = GC_TRIPWIRE) -> bool:
     """Until the interpreter collects on its own count, lowered to ``tripwire`` objects
-    made and not freed (work has started again: True), or ``at_most_s`` (False)."""
+    made and not freed (work has started again: True), or ``at_most_s`` (False). The count
+    goes back up the moment it trips, not when the loop next runs this task: a loop busy
+    with a flood would otherwise collect every ``tripwire`` objects until then."""
     loop = asyncio.get_running_loop()
     woken = loop.create_future()
     tripped = False
@@ -307,6 +309,7 @@ async def until_objects_pile(at_most_s: float, tripwire: int = GC_TRIPWIRE) -> b
         nonlocal tripped  # (any thread's allocation may collect: the loop is told safely)
         if phase == "start" and not tripped:
             tripped = True
+            gc.set_threshold(*thresholds)
             loop.call_soon_threadsafe(wake)
 
     thresholds = gc.get_threshold()

@@ -17,6 +17,7 @@ from bench.trees import (
     interpreter_line,
     paired_median_ms,
     rotated,
+    same_relay,
     tree_line,
 )
 
@@ -59,6 +60,22 @@ def test_another_tree_shadows_the_installed_package(tmp_path: Path) -> None:
     assert described["commit"] == ""  # not a git checkout
 
 
+def test_arms_that_relay_in_different_languages_are_not_compared(tmp_path: Path) -> None:
+    """A worktree holds no build of core/_relay.c: its arm relays in Python, and the
+    comparison would measure that, not the trees."""
+    for package in ("proxy", "adapters"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "proxy" / "cli.py").write_text("")
+    bare = Tree.other(tmp_path).describe()
+    assert bare["compiled_relay"] is False
+    built = {**bare, "root": "elsewhere", "compiled_relay": True}
+    same_relay({"proxy": built, "before": {**built, "root": "another"}})
+    same_relay({"proxy": bare, "before": {**bare, "root": "another"}})
+    with pytest.raises(SystemExit, match=str(tmp_path.resolve())):
+        same_relay({"proxy": built, "before": bare})
+
+
 def test_cpu_per_request_skips_processes_the_kernel_did_not_report() -> None:
     assert cpu_seconds(os.getpid()) is not None  # this process: /proc answers
     per = cpu_per_request_us({"proxy": 1.0, "before": None}, {"proxy": 1.5, "before": 2.0},
@@ -84,7 +101,8 @@ def test_a_tree_on_a_named_interpreter_imports_the_trees_code() -> None:
     assert described["python"]["libpython"] in line
     assert tree_line(described) == (
         f"{HERE} (commit {described['commit'][:9]}, uncommitted product changes: "
-        f"{len(described['local_changes'])}); {line}")
+        f"{len(described['local_changes'])}, "
+        f"{'compiled' if described['compiled_relay'] else 'Python'} relay); {line}")
 
 
 def test_an_interpreter_that_is_not_one_is_refused(tmp_path: Path) -> None:

@@ -90,6 +90,9 @@ async def test_an_idle_loop_slows_the_timer_until_objects_pile_up_again() -> Non
         await asyncio.sleep(0.6)  # (a timer, however slow, would have ticked)
         asleep = len(timed)
         kept.extend([0] for _ in range(5_000))  # work starts: the count passes the tripwire
+        # ... and the tripwire is gone at once, before the loop gets to wake the timer (a
+        # busy loop may take a while; meanwhile work would collect every 1,000 objects)
+        tripped_threshold = gc.get_threshold()
         await churn(old, kept, rounds=20, each=2_000)  # then the count stands still
         after = young()
         await stop(collector)
@@ -97,6 +100,7 @@ async def test_an_idle_loop_slows_the_timer_until_objects_pile_up_again() -> Non
         gc.callbacks.remove(count)
         gc.set_threshold(*thresholds)
     assert asleep == 0  # no collection while the loop idled
+    assert tripped_threshold == GC_THRESHOLDS
     assert gc.get_threshold() == thresholds
     assert after < 10_000  # the timer collects again
 
