@@ -10,8 +10,11 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +96,111 @@ def test_the_wheel_holds_the_packages_and_no_test_rig(tmp_path: Path) -> None:
         text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     assert Path(ran.stdout.strip()).is_relative_to(site)
+
+
+def test_no_symbolic_link_is_tracked() -> None:
+    """Git for Windows checks links out as text files: the tree holds none."""
+    staged = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in staged if line.startswith("120000 ")]
+    assert not links, links
+
+
+def test_the_build_names_every_package() -> None:
+    """The build's package mapping (pyproject.toml) names every folder of the four that is a
+    package, under prefixpin, and nothing else."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"prefixpin": "prefixpin", **{
+        f"prefixpin.{package}": package for package in PACKAGES}}
+    folders = {"prefixpin"} | {
+        "prefixpin." + ".".join(init.parent.relative_to(ROOT).parts)
+        for package in PACKAGES for init in (ROOT / package).rglob("__init__.py")}
+    assert sorted(setuptools["packages"]) == sorted(folders)
+
+
+def _install(source: Path, site: Path) -> None:
+    """``pip install SOURCE`` (a tree or an sdist) into ``site``, offline, with this
+    venv's build backend."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "--no-index", "-q", "--target", str(site), str(source)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _modules(site: Path) -> set[str]:
+    return {str(path.relative_to(site)) for path in (site / "prefixpin").rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts}
+
+
+def _serves(site: Path, cwd: Path) -> None:
+    """The installed console script answers --help, and ``serve`` relays a chat completion
+    from a fake llama-server (PYTHONPATH: the install comes before this venv's own)."""
+    from tests.fakes.servers import free_ports
+
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    script = site / "bin" / "prefixpin"
+    helped = subprocess.run([str(script), "--help"], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert helped.returncode == 0, helped.stderr
+    assert "serve" in helped.stdout
+    engine_port, proxy_port = free_ports(2)
+    engine = subprocess.Popen([sys.executable, "-m", "tests.fakes.fake_llama", "--port",
+                               str(engine_port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    proxy = subprocess.Popen([str(script), "serve", "--upstream",
+                              f"http://127.0.0.1:{engine_port}", "--port", str(proxy_port),
+                              "--log-level", "warning"], cwd=cwd, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        import httpx
+
+        url = f"http://127.0.0.1:{proxy_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proxy.poll() is None, proxy.stderr.read() if proxy.stderr else ""
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "prefixpin serve did not become healthy"
+            time.sleep(0.2)
+        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+    finally:
+        for process in (proxy, engine):
+            process.terminate()
+            process.wait(10)
+
+
+@pytest.mark.slow
+def test_a_checkout_without_symlinks_installs_and_serves(tmp_path: Path) -> None:
+    """A clone made as Git for Windows makes one (``core.symlinks=false``; it holds the last
+    commit) installs with ``pip install .``, and its ``prefixpin`` runs and serves. The
+    sdist built from it, offline, installs the same modules as the tree."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "-c", "core.symlinks=false", "clone", "-q", str(ROOT), str(clone)],
+                   check=True, capture_output=True, timeout=120)
+    site = tmp_path / "site"
+    _install(clone, site)
+    assert {"prefixpin/proxy/cli.py", "prefixpin/core/sse.py", "prefixpin/adapters/__init__.py",
+            "prefixpin/fingerprint/__init__.py"} <= _modules(site)
+    _serves(site, tmp_path)
+
+    built = subprocess.run(
+        [sys.executable, "-c", "import sys; from setuptools.build_meta import build_sdist; "
+         "print(build_sdist(sys.argv[1]))", str(tmp_path / "sdist")],
+        cwd=clone, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    sdist = tmp_path / "sdist" / built.stdout.split()[-1]
+    from_sdist = tmp_path / "from-sdist"
+    _install(sdist, from_sdist)
+    assert _modules(from_sdist) == _modules(site)
 
 
 def test_product_code_never_imports_tests_or_bench() -> None:
