@@ -150,17 +150,19 @@ def _serves(site: Path, cwd: Path) -> None:
     engine = subprocess.Popen([sys.executable, "-m", "tests.fakes.fake_llama", "--port",
                                str(engine_port)], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
-    proxy = subprocess.Popen([str(script), "serve", "--upstream",
-                              f"http://127.0.0.1:{engine_port}", "--port", str(proxy_port),
-                              "--log-level", "warning"], cwd=cwd, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = cwd / "serve.log"
+    with log.open("wb") as sink:
+        proxy = subprocess.Popen([str(script), "serve", "--upstream",
+                                  f"http://127.0.0.1:{engine_port}", "--port", str(proxy_port),
+                                  "--log-level", "warning"], cwd=cwd, env=env,
+                                 stdout=sink, stderr=subprocess.STDOUT)
     try:
         import httpx
 
         url = f"http://127.0.0.1:{proxy_port}"
         deadline = time.monotonic() + 60
         while True:
-            assert proxy.poll() is None, proxy.stderr.read() if proxy.stderr else ""
+            assert proxy.poll() is None, log.read_text()
             try:
                 if httpx.get(url + "/healthz", timeout=2).status_code == 200:
                     break
@@ -246,7 +248,7 @@ def test_the_coverage_gate_is_configured(pytestconfig: object) -> None:
     assert "--no-cov" not in addopts
     run = project["tool"]["coverage"]["run"]
     assert run["branch"] is True
-    assert set(PACKAGES) <= set(run["source"])  # the real folders, not prefixpin/'s links
+    assert set(PACKAGES) <= set(run["source"])  # the real folders (the editable view's links resolve to them)
     assert isinstance(pytestconfig, pytest.Config)
     assert pytestconfig.pluginmanager.has_plugin(PLUGIN_NAME)
 
