@@ -28,7 +28,8 @@ from prefixpin.core.errors import (
     UpstreamUnavailableError,
 )
 
-# A request extension marking a client's request forwarded as it came (``proxy.passthrough``):
+# A request extension marking a client's request forwarded as it came
+# (``proxy.listen.passthrough``):
 # it carries the client's own credentials, never the engine key.
 FORWARDED = "prefixpin.forwarded"
 # A request extension marking an operator's request forwarded by the operator listener: the

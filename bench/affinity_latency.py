@@ -48,7 +48,7 @@ from bench.trees import (
     paired_median_ms,
     rotated,
 )
-from prefixpin.proxy.models import ensure_model
+from prefixpin.proxy.engine.models import ensure_model
 from tests.fakes.servers import free_port
 
 WORDS = ["parse", "render", "token", "slot", "cache", "prefix", "commit", "session", "engine",

@@ -82,7 +82,7 @@ def build_arms(args: argparse.Namespace, engine_url: str, log_dir: Path) -> list
 
 
 def start_llama(args: argparse.Namespace, work: Path) -> tuple[ManagedProcess, list[str]]:
-    from prefixpin.proxy.models import ensure_model
+    from prefixpin.proxy.engine.models import ensure_model
     from tests.rig.llama_build import ensure_llama_server
 
     port = free_port()

@@ -27,9 +27,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixpin.adapters.embedded.context import Sampler, SamplingParams, SlotContext
 from prefixpin.adapters.embedded.cpu_paths import compiled_features
-from prefixpin.adapters.embedded.llama import LlamaModel, llama_log, load_bindings
+from prefixpin.adapters.embedded.model.context import Sampler, SamplingParams, SlotContext
+from prefixpin.adapters.embedded.model.llama import LlamaModel, llama_log, load_bindings
 from tests.rig.models import ensure_model
 
 

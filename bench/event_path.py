@@ -72,8 +72,8 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     from prefixpin.adapters.h1 import PUSHED_BODY, H1Transport, _Body, _Connection
     from prefixpin.adapters.llama_server import _LlamaStream
     from prefixpin.proxy.codecs import codec_of
-    from prefixpin.proxy.generation import Generation
-    from prefixpin.proxy.relay import LiveStream
+    from prefixpin.proxy.pipeline.generation import Generation
+    from prefixpin.proxy.pipeline.relay import LiveStream
 
     loop = asyncio.get_running_loop()
     try:
@@ -103,7 +103,11 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     transport: Any = out
     scope: dict[str, Any] = {"type": "http"}
     if batch is not None:  # the tree batches client writes and has the body writer
-        from prefixpin.proxy.client_writes import BODY_WRITER, BatchedTransport, ChunkedBodyWriter
+        from prefixpin.proxy.listen.client_writes import (
+            BODY_WRITER,
+            BatchedTransport,
+            ChunkedBodyWriter,
+        )
         transport = BatchedTransport(out, batch)  # type: ignore[arg-type]
     cycle = RequestResponseCycle(
         {"type": "http", "method": "POST"},  # type: ignore[typeddict-item]
@@ -126,7 +130,7 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
 
 def _batch_if_any() -> Any:
     try:
-        from prefixpin.proxy.client_writes import WriteBatch
+        from prefixpin.proxy.listen.client_writes import WriteBatch
     except ImportError:  # a tree from before client writes were batched
         return None
     return WriteBatch(asyncio.get_running_loop())
@@ -141,7 +145,7 @@ class _NoFallback(httpx.AsyncBaseTransport):
 
 
 async def measure(streams: int, events: int) -> tuple[float, int]:
-    from prefixpin.proxy.validation import parse_request
+    from prefixpin.proxy.pipeline.validation import parse_request
 
     raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True,
                       "stream_options": {"include_usage": True}}).encode()

@@ -27,7 +27,7 @@ from typing import Any
 
 from prefixpin.fingerprint.messages import Markers, MessageTokenCache, chain_for_messages
 from prefixpin.fingerprint.tokenizer import ModelTokenizer, load_tokenizer, markers_for
-from prefixpin.proxy.models import MODELS, ensure_model
+from prefixpin.proxy.engine.models import MODELS, ensure_model
 
 Message = dict[str, Any]
 

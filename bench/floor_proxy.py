@@ -25,7 +25,7 @@ from starlette.routing import Route
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixpin.proxy.http_limits import (
+from prefixpin.proxy.listen.http_limits import (
     http_options,  # the server options prefixpin itself runs with
 )
 

@@ -111,7 +111,7 @@ from bench.load import (
     write_results,
 )
 from bench.trees import Tree, tree_line
-from prefixpin.proxy.http_limits import MAX_HEAD_BYTES
+from prefixpin.proxy.listen.http_limits import MAX_HEAD_BYTES
 from prefixpin.proxy.settings import Settings
 
 T = TypeVar("T")

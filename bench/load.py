@@ -1051,7 +1051,7 @@ def resolve_model(name: str) -> str:
         return "fast-model.gguf"
     if name != "auto":
         return name
-    from prefixpin.proxy.models import DEFAULT_MODEL, model_path
+    from prefixpin.proxy.engine.models import DEFAULT_MODEL, model_path
 
     path = model_path(DEFAULT_MODEL)
     return str(path) if path.is_file() else "fast-model.gguf"

@@ -16,7 +16,7 @@ one repository) start one after the other on
 ``--slots`` slots. Llama-server straight, Claude Code gets no answer at all with this
 template: it sends a ``system`` message after the first user turn, which Qwen3.5's template
 refuses (500 "System message must be at the beginning"; prefixpin renders it as a user
-turn, ``proxy.system_turns``), so there is no direct arm.
+turn, ``proxy.pipeline.system_turns``), so there is no direct arm.
 
 Measured per session: its request's prompt and cached tokens (prefixpin's request line,
 as the engine reported them), what the engine prefilled in all during the session's run
@@ -43,7 +43,7 @@ import httpx
 from bench.agents.run import ProxyLog
 from bench.provenance import git_revision, host_lines
 from prefixpin.proxy.parking.slotfile import read_slot_tokens
-from prefixpin.proxy.tokens import common_prefix
+from prefixpin.proxy.session.tokens import common_prefix
 from tests.rig.agent_clis import ENGINE_CAP_ARGS, AgentSession
 from tests.rig.agents import ensure_agent
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

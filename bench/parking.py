@@ -116,7 +116,7 @@ class Rig:
 
 
 def start_rig(args: argparse.Namespace, work: Path) -> Rig:
-    from prefixpin.proxy.models import ensure_model
+    from prefixpin.proxy.engine.models import ensure_model
     from tests.rig.llama_build import ensure_llama_server
 
     slot_dir = work / "slots"

@@ -85,7 +85,7 @@ class Delivered:
 
 
 class Hold(Protocol):
-    """What a stream is adopted with, and given back to (``proxy.relay.StreamHold``): the
+    """What a stream is adopted with, and given back to (``proxy.pipeline.relay.StreamHold``): the
     one handle of a stream in the compiled relay, in C and in Python."""
 
     def given_back(self, back: GivenBack) -> None: ...

@@ -9,7 +9,7 @@
     ├── RetryLaterError             busy, not the request at fault: + Retry-After
     │   ├── QueueTimeoutError       503 waited --queue-timeout for a slot
     │   ├── BodiesFullError         503 the bodies read at once hold --max-bodies
-    │   └── (proxy.placement.QueueFullError 429 the slot queue's share is full)
+    │   └── (proxy.session.placement.QueueFullError 429 the slot queue's share is full)
     ├── GenerationCancelledError    499 every client left and the grace period ran out
     └── UpstreamError               the engine is at fault or unreachable
         ├── UpstreamUnavailableError   502 connect refused / reset / engine gone

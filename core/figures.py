@@ -29,7 +29,7 @@ from prefixpin.core.frames import Frame, FrameKind, Progress
 
 def may_carry_figures(frame: Frame) -> bool:
     """Whether ``figures_from`` may read anything from ``frame`` (kept by a log that lets go
-    of the frames its clients have read: ``proxy.aggregate.fold_read``)."""
+    of the frames its clients have read: ``proxy.pipeline.aggregate.fold_read``)."""
     if frame.figured is not None:
         return frame.figured
     if frame.raw:

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from prefixpin.core import compiled_relay
-from prefixpin.proxy import generation, http_limits
+from prefixpin.proxy.listen import http_limits
+from prefixpin.proxy.pipeline import generation
 from prefixpin.proxy.settings import Settings
 
 # flag -> (settings field, type, help). Every flag defaults to "not given", so the
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (field, text) in OPTIONS.items():
         serve.add_argument(f"--{name}", dest=field, action=argparse.BooleanOptionalAction,
                            help=text)
-    from prefixpin.proxy.doctor import add_arguments as add_doctor_arguments
+    from prefixpin.proxy.ops.doctor import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(commands.add_parser(
         "doctor", help="check a llama-server for settings that defeat prompt caching"))
@@ -275,7 +276,7 @@ def parse_upstream_line(line: str, where: str = "") -> UpstreamEntry:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from prefixpin.proxy.doctor import main_from_args
+        from prefixpin.proxy.ops.doctor import main_from_args
 
         return main_from_args(args)
     try:
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefixpin: invalid settings: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        from prefixpin.proxy.server import serve
+        from prefixpin.proxy.listen.server import serve
 
         return serve(settings)
     return 2

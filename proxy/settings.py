@@ -17,7 +17,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefixpin.adapters import h1
 from prefixpin.core import compiled_relay
-from prefixpin.proxy import generation, http_limits
+from prefixpin.proxy.listen import http_limits
+from prefixpin.proxy.pipeline import generation
 
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
@@ -43,7 +44,7 @@ class Settings(BaseSettings):
     # the proxy's own requests (probes, tokenizer, template, slot files), never on a
     # client's, which carry the client's credentials. One for every upstream, unless the
     # upstreams file gives a URL its own (`api_key=`: upstream_api_keys).
-    # Tenants (proxy.tenants): none configured, one namespace for every client and key.
+    # Tenants (proxy.listen.tenants): none configured, one namespace for every client and key.
     tenants_file: Path | None = Field(None, description="TOML file of tenant names and their "
                                       "keys: only then are requests authenticated (401) and "
                                       "tenants isolated")
@@ -76,7 +77,7 @@ class Settings(BaseSettings):
                                  description="event bytes of one engine reply; past them "
                                  "the stream ends with an error")
     # A reply's log is kept whole (a retry joins it from the start) for this many events;
-    # past them, what every client read is folded into the reply's text (proxy.generation).
+    # past them, what every client read is folded into the reply's text (proxy.pipeline.generation).
     keep_reply_events: int = Field(8192, ge=256, description="events of a reply kept as "
                                    "they came, for a retry to join; past them the read "
                                    "ones are folded")
@@ -93,7 +94,7 @@ class Settings(BaseSettings):
                                      ge=compiled_relay.MIN_READ_PER_RUN)
     compiled_hold_bytes: int = Field(compiled_relay.MAX_RELAYED_HELD, ge=4096)
     # Each listener's connections, and the time a request's head and body may take
-    # (proxy.http_limits: past them a 503 or a 408, and the connection closed).
+    # (proxy.listen.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: int = Field(2048, ge=1)
     head_timeout_s: float = Field(30.0, gt=0)
     body_timeout_s: float = Field(300.0, gt=0)
@@ -104,7 +105,7 @@ class Settings(BaseSettings):
     compiled_relay: bool = Field(True, description="Relay token events in compiled code "
                              "(core._relay) where it is built")
     keep_large_buffers: bool = Field(True, description="Fixed glibc malloc thresholds "
-                                     "(proxy.allocator): large buffers reused, not mapped "
+                                     "(proxy.listen.allocator): large buffers reused, not mapped "
                                      "and faulted in again")
     retry_grace_s: float = Field(30.0, ge=0, description="Keep a generation whose clients left")
     queue_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a free slot")

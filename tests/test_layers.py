@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "adapters", "proxy", "fingerprint")
 DISTRIBUTION = "prefixpin"  # the one import name the packages install under
@@ -45,6 +47,7 @@ class Import:
     target: str  # the project module imported
     line: int
     module_level: bool  # runs when the module is imported (not lazy, not TYPE_CHECKING)
+    lazy: bool = False  # inside a function: runs when called (a deliberate deferral)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -64,27 +67,28 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _visits(node: ast.AST, module_level: bool
-            ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+def _visits(node: ast.AST, module_level: bool, lazy: bool = False
+            ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
     """Every import statement under ``node``, with whether it runs when the module is
-    imported: not inside a function, not under ``if TYPE_CHECKING:`` (its ``else`` does)."""
+    imported (not inside a function, not under ``if TYPE_CHECKING:``; its ``else`` does)
+    and whether it is inside a function."""
     if isinstance(node, ast.Import | ast.ImportFrom):
-        yield node, module_level
+        yield node, module_level, lazy
         return
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-        module_level = False
+        module_level, lazy = False, True
     if isinstance(node, ast.If) and _is_type_checking(node.test):
         for child in node.body:
-            yield from _visits(child, False)
+            yield from _visits(child, False, lazy)
         for child in node.orelse:
-            yield from _visits(child, module_level)
+            yield from _visits(child, module_level, lazy)
         return
     for inner in ast.iter_child_nodes(node):  # class bodies, try, with, other ifs: run
-        yield from _visits(inner, module_level)
+        yield from _visits(inner, module_level, lazy)
 
 
 def in_product(absolute: str) -> str:
-    """``prefixpin.proxy.app`` -> ``proxy.app``; "" for a module outside the product."""
+    """``prefixpin.proxy.listen.app`` -> ``proxy.listen.app``; "" outside the product."""
     head, _, rest = absolute.partition(".")
     return rest if head == DISTRIBUTION else ""
 
@@ -102,7 +106,7 @@ def imports_of(source: str, importer: str, modules: Mapping[str, object], *,
     """The project modules ``source`` (module ``importer``) imports."""
     found = []
     tree = ast.parse(source)
-    for node, module_level in _visits(tree, True):
+    for node, module_level, lazy in _visits(tree, True):
         if isinstance(node, ast.Import):
             targets = [in_product(alias.name) for alias in node.names]
         else:
@@ -115,19 +119,21 @@ def imports_of(source: str, importer: str, modules: Mapping[str, object], *,
             while target not in modules and "." in target:  # a name inside a module
                 target = target.rsplit(".", 1)[0]
             if target in modules:
-                found.append(Import(target, node.lineno, module_level))
+                found.append(Import(target, node.lineno, module_level, lazy))
     return found
 
 
-def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """module -> {module it imports at import time: the line of the first such import}."""
+def import_graph(root: Path = ROOT, *, type_only: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {module it imports at import time: the line of the first such import};
+    with ``type_only``, the imports under ``if TYPE_CHECKING:`` too (a function's own
+    imports, deferred on purpose, never)."""
     modules = project_modules(root)
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
         edges = graph.setdefault(name, {})
         for imp in imports_of(path.read_text(), name, modules,
                               is_package=path.name == "__init__.py"):
-            if imp.module_level and imp.target != name:
+            if (imp.module_level or (type_only and not imp.lazy)) and imp.target != name:
                 edges.setdefault(imp.target, imp.line)
     return graph
 
@@ -199,14 +205,31 @@ def describe(cycle: list[str], graph: Mapping[str, Mapping[str, int]]) -> str:
 
 # ---------------------------------------------------------------- the product's modules
 
-def test_no_import_cycle() -> None:
-    """No module imports, at import time, a module that (transitively) imports it."""
-    graph = import_graph()
+@pytest.mark.parametrize("type_only", [False, True], ids=["at-import", "with-type-only"])
+def test_no_import_cycle(type_only: bool) -> None:
+    """No module imports, at import time, a module that (transitively) imports it; nor
+    does one when the imports for the type checker count too (a seam, not a loop)."""
+    graph = import_graph(type_only=type_only)
     found = components(graph)
     assert not found, "import cycles (each edge: importer (file:line) -> imported):\n  " + \
         "\n  ".join(f"cycle {i + 1} (among {', '.join(c)}):\n    "
                     f"{describe(_cycle_in(graph, set(c), c[0]), graph)}"
                     for i, c in enumerate(found))
+
+
+MAX_MODULES_PER_FOLDER = 15
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    """Rooms a newcomer can read: every folder of the package holds at most 15 modules
+    (its ``__init__`` counted), so a stage that grows splits into rooms of its own."""
+    sizes = {str(folder.relative_to(ROOT)): len(list(folder.glob("*.py")))
+             for package in PACKAGES for folder in [ROOT / package,
+                                                     *(ROOT / package).rglob("*")]
+             if folder.is_dir() and (folder / "__init__.py").is_file()}
+    assert sizes["proxy"] <= MAX_MODULES_PER_FOLDER  # (the graph is not vacuous)
+    crowded = {folder: n for folder, n in sizes.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not crowded, crowded
 
 
 def test_layers() -> None:
@@ -276,12 +299,13 @@ def test_the_graph_sees_the_modules_it_must() -> None:
     a type-only import and a lazy one."""
     graph = import_graph()
     assert {name.split(".")[0] for name in graph} == set(PACKAGES)
-    assert "proxy.service" in graph["proxy.router"]
+    assert "proxy.pipeline.service" in graph["proxy.pipeline.router"]
     assert "core.errors" in graph["adapters.llama_server"]
     assert "proxy.parking.index" in graph["proxy.parking"]
-    assert "proxy.cluster.core" not in graph["proxy.lane"]  # under TYPE_CHECKING
-    assert "proxy.cluster.core" not in graph["proxy.router"]  # inside open_router
-    assert "adapters.embedded" not in graph["proxy.engines"]  # inside open_embedded_adapter
+    assert "proxy.cluster.core" not in graph["proxy.engine.lane"]  # under TYPE_CHECKING
+    assert "proxy.cluster.core" in import_graph(type_only=True)["proxy.engine.lane"]
+    assert "proxy.cluster.core" not in graph["proxy.pipeline.router"]  # inside open_router
+    assert "adapters.embedded" not in graph["proxy.engine.engines"]  # inside open_embedded_adapter
 
 
 # ---------------------------------------------------------------- the checker itself
@@ -314,11 +338,12 @@ def test_imports_of_sorts_module_level_from_lazy_and_type_only() -> None:
     """Absolute and relative imports resolve to modules; TYPE_CHECKING and function bodies
     are not module level; class bodies, try/except and else branches are."""
     modules = {f"proxy.{n}": None for n in "abcdefghijk"} | {"proxy": None, "proxy.x": None}
-    found = {imp.target: imp.module_level
-             for imp in imports_of(SAMPLE, "proxy.x", modules)}
+    imported = imports_of(SAMPLE, "proxy.x", modules)
+    found = {imp.target: imp.module_level for imp in imported}
     assert found == {"proxy.a": True, "proxy.b": True, "proxy.c": True, "proxy.d": True,
                      "proxy.e": True, "proxy.f": False, "proxy.g": True, "proxy.h": True,
                      "proxy.i": True, "proxy.j": True, "proxy.k": False}
+    assert {imp.target for imp in imported if imp.lazy} == {"proxy.k"}
 
 
 def test_cycles_are_found_and_reported_as_paths() -> None:

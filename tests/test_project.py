@@ -233,7 +233,7 @@ def test_the_coverage_gate_is_configured(pytestconfig: object) -> None:
     """Every run measures line+branch coverage of the real package folders (pytest-cov, from
     addopts), and a run of the whole suite is gated (tests/coverage_gate.py, registered by
     tests/conftest.py): overall, and higher for fingerprint/, the SSE/NDJSON framing (every
-    client codec that streams SSE or NDJSON among them) and proxy/paths.py."""
+    client codec that streams SSE or NDJSON among them) and proxy/listen/paths.py."""
     import tomllib
 
     import pytest
@@ -248,7 +248,8 @@ def test_the_coverage_gate_is_configured(pytestconfig: object) -> None:
     assert "--no-cov" not in addopts
     run = project["tool"]["coverage"]["run"]
     assert run["branch"] is True
-    assert set(PACKAGES) <= set(run["source"])  # the real folders (the editable view's links resolve to them)
+    # the real folders (the editable view's links resolve to them)
+    assert set(PACKAGES) <= set(run["source"])
     assert isinstance(pytestconfig, pytest.Config)
     assert pytestconfig.pluginmanager.has_plugin(PLUGIN_NAME)
 
@@ -256,7 +257,7 @@ def test_the_coverage_gate_is_configured(pytestconfig: object) -> None:
     overall = gates.pop("overall")
     assert overall.include == ()
     assert overall.gate >= 80
-    assert set(gates) == {"fingerprint", "sse/ndjson codecs", "proxy/paths.py"}
+    assert set(gates) == {"fingerprint", "sse/ndjson codecs", "proxy/listen/paths.py"}
     for area in gates.values():
         assert area.gate > overall.gate, area
         for pattern in area.include:

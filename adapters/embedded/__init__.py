@@ -39,7 +39,7 @@ from prefixpin.adapters.embedded.errors import (
     EngineBackendError,
     ModelLoadError,
 )
-from prefixpin.adapters.embedded.llama import check_gguf_file
+from prefixpin.adapters.embedded.model.llama import check_gguf_file
 
 __all__ = [
     "ApiError",

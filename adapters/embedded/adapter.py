@@ -59,7 +59,9 @@ from typing import Any, Literal, TextIO
 
 from starlette.applications import Starlette
 
-from prefixpin.adapters.embedded.context import SlotContext
+from prefixpin.adapters.embedded.api.facts import METRIC_HELP
+from prefixpin.adapters.embedded.api.http import build_routes
+from prefixpin.adapters.embedded.api.request import CompletionOptions
 from prefixpin.adapters.embedded.cpu_paths import choose_cpu_paths
 from prefixpin.adapters.embedded.errors import (
     ApiError,
@@ -67,13 +69,16 @@ from prefixpin.adapters.embedded.errors import (
     EngineBackendError,
     ModelLoadError,
 )
-from prefixpin.adapters.embedded.facts import METRIC_HELP
-from prefixpin.adapters.embedded.generate import GenerationTask
-from prefixpin.adapters.embedded.http import build_routes
-from prefixpin.adapters.embedded.job import Job
-from prefixpin.adapters.embedded.llama import LlamaModel, check_gguf_file, llama_log, load_bindings
-from prefixpin.adapters.embedded.request import CompletionOptions
-from prefixpin.adapters.embedded.slots import (
+from prefixpin.adapters.embedded.model.context import SlotContext
+from prefixpin.adapters.embedded.model.generate import GenerationTask
+from prefixpin.adapters.embedded.model.job import Job
+from prefixpin.adapters.embedded.model.llama import (
+    LlamaModel,
+    check_gguf_file,
+    llama_log,
+    load_bindings,
+)
+from prefixpin.adapters.embedded.model.slots import (
     Slot,
     SlotPool,
     erase_slot,
@@ -178,7 +183,7 @@ class EmbeddedEngine:
         self.info = self.model.info
         self.pool = SlotPool(self._create_slots(config))
         # jinja2 comes with the embedded extra: imported once that extra is known present
-        from prefixpin.adapters.embedded.chat import ChatTemplate
+        from prefixpin.adapters.embedded.model.chat import ChatTemplate
 
         self.template = ChatTemplate(self.info.chat_template, bos_token=self.info.bos_token,
                                      eos_token=self.info.eos_token,

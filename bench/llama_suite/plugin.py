@@ -82,7 +82,7 @@ def _tenant_serves(method: str, path: str) -> bool:
     """Whether prefixpin's tenant port answers ``method path`` itself (its pipeline routes,
     ``/healthz`` and the read-only allow-list), read from the project's own tables."""
     from prefixpin.proxy.codecs import routes as codec_routes
-    from prefixpin.proxy.passthrough import TENANT_PATHS
+    from prefixpin.proxy.listen.passthrough import TENANT_PATHS
 
     path = path.partition("?")[0]
     if method == "POST" and path in codec_routes():
@@ -96,7 +96,7 @@ class _Proxy:
     """prefixpin in front of one llama-server, in this process."""
 
     def __init__(self, upstream: str) -> None:
-        from prefixpin.proxy.app import create_apps
+        from prefixpin.proxy.listen.app import create_apps
         from prefixpin.proxy.settings import Settings
         from tests.fakes.servers import serve_proxy
 

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import requests  # noqa: E402
 
-from prefixpin.proxy.app import create_apps  # noqa: E402
+from prefixpin.proxy.listen.app import create_apps  # noqa: E402
 from prefixpin.proxy.settings import Settings  # noqa: E402
 from tests.fakes.servers import serve_proxy  # noqa: E402
 from tests.rig.llama_build import ensure_llama_server  # noqa: E402

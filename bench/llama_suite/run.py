@@ -73,7 +73,8 @@ KNOWN: dict[str, tuple[str, str]] = {
         "answers 200 with two choices, prefixpin 400 `invalid_request_error` (param `n`): "
         "\"'n' must be 1 through prefixpin: each further choice would run on another engine "
         "slot, over the session it holds; send n requests instead\" "
-        "(`proxy/validation.py` `_check_one_choice`; README, Isolation: \"on the OpenAI routes "
+        "(`proxy/pipeline/validation.py` `_check_one_choice`; README, Isolation: "
+        "\"on the OpenAI routes "
         "an `n` above 1 is a 400\"; `id_slot` is dropped as a prefixpin-owned control). "
         "repro.py case `chat_n2`."),
     "test_anthropic_empty_messages": (
@@ -85,7 +86,8 @@ KNOWN: dict[str, tuple[str, str]] = {
         "\"'messages' must contain at least one message\"}}` "
         "(`proxy/codecs/anthropic_convert.py`, `_refuse(\"messages\", ...)`). The same holds "
         "for `POST /v1/chat/completions` with `messages: []` (llama-server 200, prefixpin 400 "
-        "from `proxy/validation.py`), which no test here sends. A deliberate check, but one "
+        "from `proxy/pipeline/validation.py`), which no test here sends. A deliberate check, "
+        "but one "
         "the README does not list among the refusals, and the Anthropic codec otherwise "
         "converts as llama-server does: either forward it or document it. repro.py cases "
         "`anthropic_empty_messages`, `chat_empty_messages`."),

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.ops.logs import log_event
 
 HEARTBEAT_S = 1.0
 REPLICA_TTL_S = 3.0  # no heartbeat for this long: the replica is gone

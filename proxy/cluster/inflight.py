@@ -7,7 +7,7 @@ generation already running (or waits for it to be planned) instead of prefilling
     gen:<key>:<nonce>  a Redis stream: "started" (or "abandoned"), the head (status), every
                        frame, then "end" (completed, or the error): replayed from the start
     join:<replica>     pub/sub channel: "publish this generation's frames, someone joins",
-                       with the joiner's retry intent (``proxy.inflight.JoinIntent``)
+                       with the joiner's retry intent (``proxy.pipeline.inflight.JoinIntent``)
     joinreply:<nonce>  the origin's answer to one join: ok, refused (the request is no
                        retry of that generation: it runs its own) or abandoned
     watch:<key>        set by joining replicas while their clients read: the running
@@ -46,9 +46,9 @@ from prefixpin.core.errors import (
     UpstreamUnavailableError,
 )
 from prefixpin.proxy.cluster.core import REPLICA_TTL_S, Cluster
-from prefixpin.proxy.generation import Generation, Head
-from prefixpin.proxy.inflight import Entry, InFlight, JoinIntent
-from prefixpin.proxy.logs import log_event
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.pipeline.generation import Generation, Head
+from prefixpin.proxy.pipeline.inflight import Entry, InFlight, JoinIntent
 
 CLAIM_TTL_S = 10.0  # renewed every third while planning or running
 WATCH_TTL_S = 6.0

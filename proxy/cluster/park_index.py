@@ -26,8 +26,8 @@ import blake3
 import orjson
 
 from prefixpin.proxy.cluster.core import Cluster
-from prefixpin.proxy.history import Committed
 from prefixpin.proxy.parking.index import ParkRecord, record_from_json, record_to_json
+from prefixpin.proxy.session.history import Committed
 
 # KEYS: record, all, used, lookup set, owners, the owner's "of" key (or the none key).
 # ARGV: id, record JSON, all entry, last use, owner ("": none).

@@ -31,10 +31,10 @@ import redis
 from prefixpin.fingerprint import Chain
 from prefixpin.fingerprint.chain import Edges
 from prefixpin.proxy.cluster.core import Cluster
-from prefixpin.proxy.history import Committed
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.repair import RepairMemory
-from prefixpin.proxy.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.session.history import Committed
+from prefixpin.proxy.session.repair import RepairMemory
+from prefixpin.proxy.session.sessions import TURN_HISTORY, Session, SessionStore, TurnFigures
 
 KEYLESS_CANDIDATES = 32  # most recent keyless sessions of a namespace read per request
 TTL_S = 24 * 3600

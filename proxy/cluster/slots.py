@@ -34,11 +34,11 @@ import redis
 
 from prefixpin.adapters.base import EngineInfo
 from prefixpin.core.errors import QueueTimeoutError
-from prefixpin.proxy.backends import Load
 from prefixpin.proxy.cluster.core import Cluster
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
-from prefixpin.proxy.shared import SharedStateError
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.pipeline.records import Load
+from prefixpin.proxy.pipeline.shared import SharedStateError
+from prefixpin.proxy.session.placement import Eviction, Evictor, Lease, SlotEntry, SlotPool, Want
 
 LOCK_TTL_S = 15.0
 POLL_S = 0.05

@@ -18,7 +18,7 @@ What is the same for every format is not a codec's: the pacing loop (frames batc
 come, a heartbeat after ``--heartbeat`` s of silence), the first-byte budget (an engine
 error within 60% of ``--first-byte`` keeps its status: ``codec.error_response``; after that
 the headers and ``codec.opening`` go out), the wait of a non-streamed client (499 when it
-leaves), figures, metrics, join in flight. That is ``proxy.relay.respond``, which looks the
+leaves), figures, metrics, join in flight. That is ``proxy.pipeline.relay.respond``, which looks the
 codec up with ``codec_of(client)`` and never asks which API it is.
 
 Registered today:
@@ -40,18 +40,18 @@ translate the engine's chat stream back, so any lane that serves chat serves the
 
 Adding an API is adding a codec, not a branch:
 
-1. Name the format in ``proxy.validation.Api`` and give the codec its ``engine_api``; a
+1. Name the format in ``proxy.pipeline.validation.Api`` and give the codec its ``engine_api``; a
    conversation keeps ``endpoint`` "chat" (what the planner, repair and the metrics key on).
 2. Write ``proxy/codecs/<format>.py`` with a class that has every member of ``Codec``
-   (mypy checks it at ``register``). ``parse`` reuses ``proxy.validation``'s checks; the
+   (mypy checks it at ``register``). ``parse`` reuses ``proxy.pipeline.validation``'s checks; the
    ``ClientRequest`` it returns carries ``api``, its ``body`` is what the planner forwards
    (a chat body for a converted format, the client's own kept in ``source``). ``stream``
    returns the per-client encoder; ``encode`` is the hot path (once per batch): no work
    per frame beyond choosing or rewriting it, constants built at import.
 3. ``register(YourCodec(...))`` below, with its routes; ``register`` refuses a second
    codec with the same name, the same ``(api, endpoint)`` or a route already taken.
-4. Its routes are served from the registry (``proxy.app``); add its ``engine_api`` to
-   ``serves`` of each engine kind that answers it (``proxy.engines``; with no lane of
+4. Its routes are served from the registry (``proxy.listen.app``); add its ``engine_api`` to
+   ``serves`` of each engine kind that answers it (``proxy.engine.engines``; with no lane of
    such a kind the route is a 404 ``api_not_served``).
 5. ``tests/unit/test_codecs.py`` checks the registry as it is; add the format's own wire
    tests (its clients' SDKs parse its stream, its whole body, its errors).
@@ -67,7 +67,7 @@ from prefixpin.proxy.codecs.llama_native import LlamaNativeCodec
 from prefixpin.proxy.codecs.ollama_ndjson import OllamaCodec
 from prefixpin.proxy.codecs.openai_sse import OpenAICodec
 from prefixpin.proxy.codecs.responses import ResponsesCodec
-from prefixpin.proxy.validation import Api, ClientRequest, Endpoint
+from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint
 
 __all__ = ["Codec", "StreamEncoder", "codec_at", "codec_for", "codec_of", "codecs",
            "register", "routes"]

@@ -49,7 +49,6 @@ from starlette.responses import JSONResponse, Response
 from prefixpin.core.errors import BadRequestError, ProxyError
 from prefixpin.core.figures import Figures, count_of, figures_from, mapping_of
 from prefixpin.core.frames import Frame, FrameKind
-from prefixpin.proxy.aggregate import aggregate, assistant_message
 from prefixpin.proxy.codecs.anthropic_convert import (
     answer_blocks,
     check_request,
@@ -57,8 +56,9 @@ from prefixpin.proxy.codecs.anthropic_convert import (
     convert_request,
 )
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import (
+from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
     Api,
     ClientRequest,

@@ -31,7 +31,7 @@ Where this differs from llama-server, on purpose:
   Claude Code moves the marker to the latest message on every turn, so kept, it would
   make every earlier message's bytes differ from what the session committed;
 - ``metadata`` is kept as the client sent it (llama-server turns it into
-  ``__metadata_user_id``): ``proxy.identity`` reads Claude Code's session there;
+  ``__metadata_user_id``): ``proxy.session.identity`` reads Claude Code's session there;
 - ``model`` is kept: an engine that routes by model, or requires one (Ollama), needs it;
 - with ``stop_sequences``, llama-server is asked for the stop string that ended the answer
   (``ask_stopping_word``): its own ``/v1/messages`` answers it as ``stop_sequence``, and its
@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from prefixpin.core.errors import BadRequestError
-from prefixpin.proxy.validation import (
+from prefixpin.proxy.pipeline.validation import (
     JSON_ARRAY,
     JSON_BOOL,
     JSON_INT,

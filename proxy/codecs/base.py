@@ -2,7 +2,7 @@
 
 The request path itself (plan, slot lease, generation, relay pacing, figures, commit) is the
 same for every API; what differs is only how a request is read and how its answer is
-written. That difference is a codec. ``proxy.relay.respond`` and the request path look a
+written. That difference is a codec. ``proxy.pipeline.relay.respond`` and the request path look a
 codec up (``proxy.codecs.codec_of``) and never test which API a client speaks.
 """
 
@@ -15,8 +15,8 @@ from starlette.responses import Response
 
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.frames import Frame
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import Api, ClientRequest, Endpoint
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint
 
 
 class StreamEncoder(Protocol):
@@ -31,7 +31,7 @@ class StreamEncoder(Protocol):
 
     # True when every output chunk (``FrameKind.CHUNK``) encodes as its own bytes
     # (``frame.raw``) and changes nothing the encoder holds: the relay then writes a lone
-    # new chunk as it is, without ``encode`` (``proxy.relay.LiveStream``).
+    # new chunk as it is, without ``encode`` (``proxy.pipeline.relay.LiveStream``).
     raw_chunks: bool
 
     def passes_tokens(self) -> bool:
@@ -61,7 +61,7 @@ class Codec(Protocol):
     api: Api
     # The API the engine is asked in: ``api`` itself for a format the engine speaks, "openai"
     # for a format the codec converts to chat completions (Anthropic Messages, Responses).
-    # A lane serves the codec when its engine kind serves this API (proxy.engines).
+    # A lane serves the codec when its engine kind serves this API (proxy.engine.engines).
     engine_api: Api
     endpoint: Endpoint
     routes: tuple[str, ...]  # the client paths answered in this format

@@ -60,8 +60,8 @@ from prefixpin.core.errors import ProxyError, error_event, error_response
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment, encode_data
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import Api, ClientRequest, Endpoint, parse_llama_request
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_llama_request
 
 JSON_MEDIA_TYPE = "application/json; charset=utf-8"  # llama-server's own
 _PROGRESS, _PING, _DONE, _CHUNK = (FrameKind.PROGRESS, FrameKind.PING, FrameKind.DONE,

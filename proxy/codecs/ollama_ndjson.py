@@ -37,8 +37,8 @@ from prefixpin.core.ndjson import (
     fold_generate,
     reply_message,
 )
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import Api, ClientRequest, Endpoint, parse_native_request
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_native_request
 
 NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RELAYED = (FrameKind.CHUNK, FrameKind.DONE)  # Ollama's own lines; the rest is the proxy's

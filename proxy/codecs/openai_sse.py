@@ -6,7 +6,7 @@ for>`` comments while the engine is silent (the prefill progress in their text),
 engine's events unchanged and in order, and, if the engine fails after the headers went
 out, an OpenAI-shaped error event (``data: {"error": {...}}``, llama-server's own mid-stream
 shape) and a clean end of stream. Whole: the chunks folded as the OpenAI SDK's stream
-accumulator folds them (``proxy.aggregate``). Errors: ``{"error": {"message", "type",
+accumulator folds them (``proxy.pipeline.aggregate``). Errors: ``{"error": {"message", "type",
 "param", "code"}}``, an engine's own JSON error body passed on byte for byte.
 
 Usage lives in the usage chunk (``choices: []``) and in the whole body's ``usage``. The
@@ -27,9 +27,9 @@ from prefixpin.core.errors import ProxyError, error_event, error_response
 from prefixpin.core.figures import count_of, figures_from, mapping_of, with_cached_tokens
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment, encode_data
-from prefixpin.proxy.aggregate import aggregate, assistant_message
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import Api, ClientRequest, Endpoint, parse_request
+from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_request
 
 SSE_MEDIA_TYPE = "text/event-stream"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

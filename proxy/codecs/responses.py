@@ -82,7 +82,6 @@ from prefixpin.core.errors import BadRequestError, ProxyError, error_response
 from prefixpin.core.figures import count_of, figures_from, mapping_of
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment
-from prefixpin.proxy.aggregate import aggregate, assistant_message
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from prefixpin.proxy.codecs.responses_convert import (
     fallback_call_id,
@@ -94,8 +93,9 @@ from prefixpin.proxy.codecs.responses_convert import (
     reply_message,
     to_chat,
 )
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.validation import (
+from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
     JSON_ARRAY,
     JSON_BOOL,

@@ -77,7 +77,7 @@ DROPPED = (
 # reads them: ``parallel_tool_calls`` and ``tool_choice`` (llama-server reads both: the
 # tool-call grammar, and for some templates the prompt; a Responses-shaped object
 # ``tool_choice`` is "auto" to llama-server, as it is here), ``prompt_cache_key`` and
-# ``user`` (the session key, proxy.identity; Codex sets the first to its session id),
+# ``user`` (the session key, proxy.session.identity; Codex sets the first to its session id),
 # ``metadata`` (identity reads ``metadata.user_id``), ``stream`` and ``stream_options``
 # (the adapter sets its own), ``text``, ``top_logprobs`` and ``max_tool_calls``
 # (llama-server ignores the first and the last, refuses ``top_logprobs`` without

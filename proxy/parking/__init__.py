@@ -54,9 +54,9 @@ import blake3
 
 from prefixpin.adapters.base import Adapter, EngineInfo
 from prefixpin.core.errors import ProxyError
-from prefixpin.proxy.engine_facts import ServerFlags
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.engine.engine_facts import ServerFlags
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import Anchorer
 from prefixpin.proxy.parking.index import (
     INDEX_NAME,
@@ -88,7 +88,7 @@ from prefixpin.proxy.parking.slotfile import (
     unlink,
     unpack_tokens,
 )
-from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.session.sessions import SessionStore
 from prefixpin.proxy.settings import Settings
 
 if TYPE_CHECKING:  # the redis package is only needed with --redis

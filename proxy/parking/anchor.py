@@ -30,11 +30,11 @@ from typing import Any
 
 from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import ProxyError
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.metrics import Metrics
-from prefixpin.proxy.placement import SlotEntry, SlotPool
-from prefixpin.proxy.sessions import Session
-from prefixpin.proxy.tokens import common_prefix
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.session.placement import SlotEntry, SlotPool
+from prefixpin.proxy.session.sessions import Session
+from prefixpin.proxy.session.tokens import common_prefix
 
 # A session's own next request often follows its answer at once (a tool result): work on
 # its slot after a turn (anchoring, parking ahead) waits until it stayed idle this long.

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from prefixpin.proxy.history import Committed, digest, shape_digest
 from prefixpin.proxy.parking.slotfile import DIGEST_BYTES
-from prefixpin.proxy.sessions import Kind
+from prefixpin.proxy.session.history import Committed, digest, shape_digest
+from prefixpin.proxy.session.sessions import Kind
 
 INDEX_NAME = "park-index.sqlite3"
 SCHEMA_VERSION = 2  # 2: lane, shared, scope and owner columns

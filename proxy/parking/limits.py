@@ -15,7 +15,7 @@ slot's state when a pinned request displaces it and can load it back by itself; 
 writes to disk only what the proxy evicts and restores only into the slot it hands to a
 returning session, so the two never act on the same slot at once.
 
-The engine's flags and its model's GGUF facts are read by ``proxy.engine_facts`` (which
+The engine's flags and its model's GGUF facts are read by ``proxy.engine.engine_facts`` (which
 ``prefixpin doctor`` reads too).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixpin.adapters.base import EngineInfo
-from prefixpin.proxy.engine_facts import ServerFlags, engine_facts_of, local_server_flags
+from prefixpin.proxy.engine.engine_facts import ServerFlags, engine_facts_of, local_server_flags
 from prefixpin.proxy.settings import Settings
 
 

@@ -28,9 +28,8 @@ from typing import Any
 
 from prefixpin.adapters.base import Adapter, EngineInfo
 from prefixpin.core.errors import ProxyError
-from prefixpin.proxy.history import Committed, decide
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import (
     CONTENDED_WITHIN_S,
     Anchorer,
@@ -51,9 +50,10 @@ from prefixpin.proxy.parking.slotfile import (
     tokens_digest,
     unlink,
 )
-from prefixpin.proxy.placement import Eviction, SlotEntry, SlotPool
-from prefixpin.proxy.sessions import Session, SessionStore
-from prefixpin.proxy.tokens import common_prefix
+from prefixpin.proxy.session.history import Committed, decide
+from prefixpin.proxy.session.placement import Eviction, SlotEntry, SlotPool
+from prefixpin.proxy.session.sessions import Session, SessionStore
+from prefixpin.proxy.session.tokens import common_prefix
 
 EXIT_PARK_TIMEOUT_S = 30.0
 SESSION_NOTES = 4096  # per-session notes kept (the session store's default bound)

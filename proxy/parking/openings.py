@@ -43,12 +43,12 @@ from typing import Any
 
 from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import ProxyError
-from prefixpin.proxy.logs import log_event
-from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import prompt_tokens, tokens_before_user_turn, tokens_shared
 from prefixpin.proxy.parking.slotfile import unlink
-from prefixpin.proxy.system_turns import SYSTEM_ROLES
-from prefixpin.proxy.tokens import common_prefix
+from prefixpin.proxy.pipeline.system_turns import SYSTEM_ROLES
+from prefixpin.proxy.session.tokens import common_prefix
 
 PER_NAMESPACE = 4  # openings kept per namespace (a main agent and its sub-agent kinds)
 NAMESPACES = 256  # namespaces with openings, least recently used out first

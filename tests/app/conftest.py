@@ -16,7 +16,7 @@ import pytest
 from starlette.applications import Starlette
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import ProxyApps, create_apps
+from prefixpin.proxy.listen.app import ProxyApps, create_apps
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 

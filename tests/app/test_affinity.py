@@ -13,8 +13,8 @@ import pytest
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.fingerprint import edge_texts, fingerprint_view
-from prefixpin.proxy.affinity import AffinityPlanner
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.session.affinity import AffinityPlanner
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import clients_of, running_proxy
 from tests.app.test_parking import SlotFileFakeLlama, metric, park_files

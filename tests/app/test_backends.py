@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.backends import MemoryHomes, rendezvous, session_identity
+from prefixpin.proxy.engine.backends import MemoryHomes, rendezvous, session_identity
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixpin.proxy.app import create_app
-from prefixpin.proxy.http_limits import MAX_HEAD_BYTES, http_options
-from prefixpin.proxy.logs import JSONFormatter
+from prefixpin.proxy.listen.app import create_app
+from prefixpin.proxy.listen.http_limits import MAX_HEAD_BYTES, http_options
+from prefixpin.proxy.ops.logs import JSONFormatter
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread

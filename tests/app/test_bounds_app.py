@@ -83,7 +83,7 @@ async def test_an_engine_reply_past_max_reply_events_ends_with_an_error_event() 
 
 async def test_a_reply_past_keep_reply_events_streams_whole_and_is_not_joined() -> None:
     """Past ``--keep-reply-events`` the log lets go of what its client read
-    (``proxy.generation``): the client still gets every token in order, and a retry that
+    (``proxy.pipeline.generation``): the client still gets every token in order, and a retry that
     arrives then starts its own request instead of joining a log that lacks its start."""
     words = [f"w{i}" for i in range(1500)]
     engine = FakeLlamaServer(FakeLlamaConfig(reply=" ".join(words), token_delay_s=0.002))

@@ -31,7 +31,7 @@ import pytest
 
 from prefixpin.adapters.embedded import EmbeddedAdapter
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_faults import Capture, chat, read, sessions_when, wait_until

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from prefixpin.adapters.http import send_with_stale_retry
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer

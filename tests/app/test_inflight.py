@@ -145,7 +145,7 @@ async def test_bare_completions_is_llama_servers_native_api_and_never_joins_v1()
 
 
 def test_the_inflight_key_names_the_path_and_the_session() -> None:
-    from prefixpin.proxy.inflight import inflight_key
+    from prefixpin.proxy.pipeline.inflight import inflight_key
 
     body = {"prompt": "x"}
     base = inflight_key("anon", "completions", "/v1/completions", None, body)
@@ -223,7 +223,7 @@ async def test_identical_requests_arriving_together_share_one_generation() -> No
 async def test_a_released_reservation_lets_waiters_plan_for_themselves() -> None:
     """The first request fails to plan: a request waiting on its reservation gets None
     (it plans anew) rather than hanging or failing with the first one's error."""
-    from prefixpin.proxy.inflight import InFlight, JoinIntent
+    from prefixpin.proxy.pipeline.inflight import InFlight, JoinIntent
 
     inflight = InFlight()
     retry = JoinIntent(retry=True)
@@ -238,7 +238,7 @@ async def test_a_released_reservation_lets_waiters_plan_for_themselves() -> None
 
 
 async def test_a_request_that_is_no_retry_does_not_wait_for_a_reservation() -> None:
-    from prefixpin.proxy.inflight import InFlight, JoinIntent
+    from prefixpin.proxy.pipeline.inflight import InFlight, JoinIntent
 
     inflight = InFlight()
     inflight.reserve(b"key", JoinIntent(idempotency_key="a"))
@@ -249,7 +249,7 @@ async def test_a_request_that_is_no_retry_does_not_wait_for_a_reservation() -> N
 
 
 def test_join_intent_reads_the_sdk_headers() -> None:
-    from prefixpin.proxy.inflight import JoinIntent
+    from prefixpin.proxy.pipeline.inflight import JoinIntent
 
     assert JoinIntent.of({}) == JoinIntent()
     assert JoinIntent.of({"x-stainless-retry-count": "2"}).retry

@@ -1,5 +1,5 @@
-"""Tenants (``proxy.tenants``) and isolation across an engine's shared prompt cache
-(``proxy.isolation``): with no tenants configured, one namespace for every key; with
+"""Tenants (``proxy.listen.tenants``) and isolation across an engine's shared prompt cache
+(``proxy.listen.isolation``): with no tenants configured, one namespace for every key; with
 several, each key authenticated (401 otherwise) and an engine whose prompt cache crosses
 slots serving none of them unless the backend is dedicated to them, its cache stays per
 slot, or ``--allow-shared-cache`` is given (403 ``shared_prompt_cache`` before planning)."""
@@ -17,10 +17,10 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_app, create_apps
-from prefixpin.proxy.router import Router
+from prefixpin.proxy.listen.app import create_app, create_apps
+from prefixpin.proxy.listen.tenants import ANONYMOUS
+from prefixpin.proxy.pipeline.router import Router
 from prefixpin.proxy.settings import Settings
-from prefixpin.proxy.tenants import ANONYMOUS
 from tests.app.conftest import clients_of, lanes_ready, running_proxy
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.ollama.conftest import MODEL, proxy_rig

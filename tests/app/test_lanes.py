@@ -20,8 +20,8 @@ import pytest
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.engines import ENGINES, EngineKind, kind_of, register
+from prefixpin.proxy.engine.engines import ENGINES, EngineKind, kind_of, register
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_backends import Switch

@@ -562,7 +562,7 @@ async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
     index beside them; A is parked when B comes, restored when A returns, and restored
     again by a new proxy after a restart (a clean shutdown parked it)."""
     from prefixpin.core.asgi_transport import StreamingASGITransport
-    from prefixpin.proxy.app import create_app
+    from prefixpin.proxy.listen.app import create_app
     from prefixpin.proxy.settings import Settings
     from tests.rig.models import ensure_model
 

@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_app
-from prefixpin.proxy.http_limits import http_options
-from prefixpin.proxy.passthrough import forward
-from prefixpin.proxy.paths import PathRejected, canonical_paths, is_canonical
+from prefixpin.proxy.listen.app import create_app
+from prefixpin.proxy.listen.http_limits import http_options
+from prefixpin.proxy.listen.passthrough import forward
+from prefixpin.proxy.listen.paths import PathRejected, canonical_paths, is_canonical
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_app
+from prefixpin.proxy.listen.app import create_app
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import running_proxy
 from tests.fakes.fake_llama import LINGER_S, FakeLlamaServer

@@ -1,5 +1,5 @@
 """Every streamed answer through the served proxy, on each of its two relays: the Python
-relay (``proxy.relay.LiveStream``) and the compiled relay (``core.compiled_relay``, on
+relay (``proxy.pipeline.relay.LiveStream``) and the compiled relay (``core.compiled_relay``, on
 with ``http_options(compiled_relay=True)``). Real uvicorn and real sockets on both sides
 (the fake engine in its own thread), and the same assertions on both: a client reads the
 same events, in the same order, with the same end, whatever takes a stream back from the
@@ -28,9 +28,9 @@ import httpx
 import pytest
 
 from prefixpin.core import compiled_relay
-from prefixpin.proxy.app import ProxyApps, create_apps
-from prefixpin.proxy.http_limits import ConnectionLimits, compiled_relay_of, http_options
-from prefixpin.proxy.relay import LiveStream
+from prefixpin.proxy.listen.app import ProxyApps, create_apps
+from prefixpin.proxy.listen.http_limits import ConnectionLimits, compiled_relay_of, http_options
+from prefixpin.proxy.pipeline.relay import LiveStream
 from prefixpin.proxy.settings import Settings
 from tests.fakes import event_shapes
 from tests.fakes.event_shapes import Reshaped, Rewrite, data_of_answer

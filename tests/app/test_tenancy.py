@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from prefixpin.proxy.server import serve
+from prefixpin.proxy.listen.server import serve
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import running_proxy
 from tests.app.test_parking import metric

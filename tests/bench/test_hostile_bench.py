@@ -132,6 +132,6 @@ def test_a_flooding_stream_leaves_the_proxys_memory_flat(flood_run: dict[str, An
     """Found by this test (issue 33): a reply was kept whole while it streamed (about
     1.3 KiB of Python objects per 250-byte event), so a flood grew the proxy's memory
     five times the flood. Past --keep-reply-events the log now lets go of what its client
-    read (``proxy.generation``)."""
+    read (``proxy.pipeline.generation``)."""
     growth = flood_run["memory"]["round_growth_max_mib"]["hostile"]
     assert growth <= RSS_GROWTH_BOUND_MIB, (growth, flood_run["arms"]["hostile"]["rss"])

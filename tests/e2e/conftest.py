@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

@@ -8,7 +8,7 @@ cached tokens than a fresh conversation of its own would: the control is B's cac
 tokens for a *wrong* guess of the same length, and a right guess may see at most
 ``SLACK`` tokens more (the template's shared opening is in both).
 
-The proxy runs under a real uvicorn (its two listeners, as ``proxy.server`` serves them);
+The proxy runs under a real uvicorn (its two listeners, as ``proxy.listen.server`` serves them);
 the operator listener is only used for A's checks, never by B.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.listen.http_limits import http_options
 from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler
 from tests.fakes.servers import serve_in_thread
@@ -113,7 +113,7 @@ def proxy(engine: LlamaServerProcess, **settings: Any) -> Iterator[Rig]:
                    timeout=30).raise_for_status()
     # A park index of this proxy's own: no test revives what an earlier test parked.
     index = Path(tempfile.mkdtemp(prefix="prefixpin-adversarial-index-"))
-    # A and B are configured tenants (``proxy.tenants``); the engine with its host cache
+    # A and B are configured tenants (``proxy.listen.tenants``); the engine with its host cache
     # on is A's alone (dedicated), so B is refused there.
     tenants = index / "tenants.toml"
     tenants.write_text(f'[tenants]\na = "{A_TOKEN}"\nb = "{B_TOKEN}"\n')

@@ -6,7 +6,7 @@ Each CLI speaks its own API: OpenCode chat completions, Claude Code Anthropic Me
 (``/v1/messages``), Codex OpenAI Responses (``/v1/responses``). A turn may send more than
 its main request (OpenCode's first turn also asks for a title, a shorter side history
 under the same session id); the main request is the turn's longest prompt. The figures
-are the proxy's own, from its ``request`` log lines (``proxy.logs``), and the engine's
+are the proxy's own, from its ``request`` log lines (``proxy.ops.logs``), and the engine's
 ``llamacpp:prompt_tokens_total`` for what it prefilled per turn.
 
 The engine's answers are capped (``ENGINE_CAP_ARGS``: greedy, a few words, a natural
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.listen.http_limits import http_options
 from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import ServedURL, serve_proxy
 from tests.rig.agent_clis import CLIS, ENGINE_CAP_ARGS, AgentSession, Cli

@@ -2,7 +2,7 @@
 itself answers it, measured against the real llama-server.
 
 Whole answers. The proxy always streams from the engine and folds the chunks into the
-answer a non-streaming client asked for (``proxy.aggregate``); that folded answer must
+answer a non-streaming client asked for (``proxy.pipeline.aggregate``); that folded answer must
 equal llama-server's own non-streamed answer to the same greedy request, field for field,
 except (``EXCLUDED``):
 
@@ -37,10 +37,10 @@ from prefixpin.adapters.http import FORWARDED, EngineKey
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import detect_engine
 from prefixpin.core.errors import UpstreamStatusError
-from prefixpin.proxy import doctor
-from prefixpin.proxy.app import create_apps
 from prefixpin.proxy.cli import build_parser, parse_upstream_line, settings_from_args
-from prefixpin.proxy.engines import http_client
+from prefixpin.proxy.engine.engines import http_client
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.ops import doctor
 from prefixpin.proxy.settings import Settings
 from tests.e2e.conftest import ProxyRunner
 from tests.fakes.servers import serve_proxy
@@ -306,7 +306,7 @@ def test_a_whole_answer_is_llama_servers_own(run_proxy: ProxyRunner, llama: Llam
 @pytest.mark.llama
 def test_what_a_chat_stream_does_not_carry(run_proxy: ProxyRunner,
                                            llama: LlamaServerProcess) -> None:
-    """A documented loss (``proxy.aggregate``): a chat answer that ends with the
+    """A documented loss (``proxy.pipeline.aggregate``): a chat answer that ends with the
     end-of-generation token lists that token's logprobs last; llama-server streams no delta
     for it, so it has no logprobs in the stream, and the folded answer lacks that one
     entry. Everything else is equal."""
@@ -324,7 +324,7 @@ def test_what_a_chat_stream_does_not_carry(run_proxy: ProxyRunner,
 @pytest.mark.llama
 def test_what_a_completions_stream_cannot_tell(run_proxy: ProxyRunner,
                                                llama: LlamaServerProcess) -> None:
-    """The other documented difference (``proxy.aggregate``): a completion ended by a stop
+    """The other documented difference (``proxy.pipeline.aggregate``): a completion ended by a stop
     string. llama-server's direct answer leaves out the logprobs of the stop string's
     tokens (it tokenizes the stop string and drops that many); the stream sends them (with
     empty text and token), and does not say a stop string ended it, so the folded answer keeps them.

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.listen.http_limits import http_options
 from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler
 from tests.fakes.servers import ServedURL, serve_proxy

@@ -1,4 +1,5 @@
-"""Tenants and the shared-prompt-cache gate (``proxy.tenants``, ``proxy.isolation``) in
+"""Tenants and the shared-prompt-cache gate (``proxy.listen.tenants``,
+``proxy.listen.isolation``) in
 front of real llama-servers: with no tenants configured, one person's clients, whatever
 keys they send, are all served at llama-server's default flags; with several tenants, its
 default --cache-ram (read from the server's command line, /proc) serves none of them
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.e2e.conftest import ProxyRunner
 from tests.fakes.servers import serve_proxy

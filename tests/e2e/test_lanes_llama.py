@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler
 from tests.fakes.fake_ollama import create_fake_ollama

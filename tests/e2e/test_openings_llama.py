@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from prefixpin.adapters.llama_server import LlamaServerAdapter
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.parking.anchor import prompt_tokens
 from prefixpin.proxy.parking.openings import PER_NAMESPACE, first_turn_tokens, request_opening
+from prefixpin.proxy.session.tokens import common_prefix
 from prefixpin.proxy.settings import Settings
-from prefixpin.proxy.tokens import common_prefix
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_parking import events, metric, park_files
 from tests.e2e.helpers import filler

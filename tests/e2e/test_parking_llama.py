@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.parking import INDEX_NAME, PARK_PREFIX, ParkManager
 from prefixpin.proxy.settings import Settings
 from tests.e2e.helpers import filler, stream_chat

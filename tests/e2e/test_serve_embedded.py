@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from prefixpin.proxy.models import DEFAULT_MODEL, model_path
+from prefixpin.proxy.engine.models import DEFAULT_MODEL, model_path
 from tests.rig.parts import prepared
 from tests.rig.replica_process import start_replica
 

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.pipeline.system_turns import CLOSE, OPEN, in_place
 from prefixpin.proxy.settings import Settings
-from prefixpin.proxy.system_turns import CLOSE, OPEN, in_place
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server

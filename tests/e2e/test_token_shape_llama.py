@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from prefixpin.adapters.openai_sse import classify_whole
-from prefixpin.proxy.app import create_apps
-from prefixpin.proxy.http_limits import compiled_relay_of, http_options
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.listen.http_limits import compiled_relay_of, http_options
 from prefixpin.proxy.settings import Settings
 from tests.fakes.servers import serve_proxy
 from tests.rig.llama_process import LlamaServerProcess

@@ -28,7 +28,7 @@ from tests.rig.parts import require_llama_cpp
 require_llama_cpp()  # the embedded extra (it brings jinja2 too): skips, or fails under CI
 
 from prefixpin.adapters.embedded import EngineConfig, ModelLoadError, create_engine_app  # noqa: E402
-from prefixpin.adapters.embedded.chat import ChatTemplate  # noqa: E402
+from prefixpin.adapters.embedded.model.chat import ChatTemplate  # noqa: E402
 
 pytestmark = pytest.mark.embedded
 

@@ -57,7 +57,7 @@ class FakeLlamaConfig:
     stall_s: float = 0.0  # the "stall" fault: this long silent before that token
     # The --cache-ram this fake declares in /props (``cache_ram``, MiB): 0 says its prompt
     # cache stays per slot. None: not declared, and the proxy assumes a shared host cache
-    # (its flags are not readable: proxy.engines.read_engine).
+    # (its flags are not readable: proxy.engine.engines.read_engine).
     cache_ram: int | None = None
     # The process kills itself with SIGSEGV, as an engine crashing in llama.cpp does: after
     # its first prefill batch ("prefill") or at token fault_at ("stream"). Only for a fake

@@ -13,8 +13,8 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from prefixpin.proxy.app import ProxyApps
-from prefixpin.proxy.server import serve_both
+from prefixpin.proxy.listen.app import ProxyApps
+from prefixpin.proxy.listen.server import serve_both
 
 
 class _Server(uvicorn.Server):
@@ -40,7 +40,7 @@ def free_ports(count: int) -> tuple[int, ...]:
 def serve_in_thread(app: ASGIApp, *, port: int | None = None, startup_timeout: float = 30.0,
                     **options: Any) -> Iterator[str]:
     """Yield the base URL of ``app`` served by uvicorn; shut it down on exit. ``options``
-    go to ``uvicorn.Config`` (e.g. ``proxy.http_limits.http_options()``, as served)."""
+    go to ``uvicorn.Config`` (e.g. ``proxy.listen.http_limits.http_options()``, as served)."""
     port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=3, lifespan="on",
@@ -76,7 +76,7 @@ class ServedURL(str):
 def serve_proxy(apps: ProxyApps, *, startup_timeout: float = 30.0,
                 **options: Any) -> Iterator[ServedURL]:
     """Both listeners of ``apps`` under two uvicorn servers in one event loop, as
-    ``prefixpin serve`` runs them (``proxy.server``): the operator listener forwards
+    ``prefixpin serve`` runs them (``proxy.listen.server``): the operator listener forwards
     through the lanes' engine clients, which belong to the loop the tenant's lifespan
     opened them in."""
     ports = free_ports(2)

@@ -23,7 +23,7 @@ from prefixpin.fingerprint.messages import (
     prefix_keys,
 )
 from prefixpin.fingerprint.tokenizer import ModelTokenizer, markers_for
-from prefixpin.proxy.history import digest
+from prefixpin.proxy.session.history import digest
 
 Message = dict[str, Any]
 

@@ -20,7 +20,7 @@ import httpx
 from starlette.applications import Starlette
 
 from prefixpin.core.asgi_transport import StreamingASGITransport
-from prefixpin.proxy.app import create_apps
+from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_ollama import (
     FakeModel,

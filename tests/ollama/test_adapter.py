@@ -27,8 +27,8 @@ from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
 from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.core.errors import UpstreamProtocolError
-from prefixpin.proxy.app import create_app
-from prefixpin.proxy.ollama import OllamaPlanner
+from prefixpin.proxy.engine.ollama import OllamaPlanner
+from prefixpin.proxy.listen.app import create_app
 from prefixpin.proxy.settings import Settings
 from tests.fakes.fake_llama import FakeLlamaServer
 from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama

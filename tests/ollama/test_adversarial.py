@@ -5,7 +5,7 @@ Ollama cannot be installed on these machines: the engine here is the fake
 documentation, source and third-party recordings. What is tested is the proxy's side:
 which paths a tenant reaches, and that every Ollama (whose cached prefixes are shared by
 all requests) serves one namespace unless the operator opts in with
-``--allow-shared-cache`` (documented in ``proxy.isolation``: tenants may then learn each
+``--allow-shared-cache`` (documented in ``proxy.listen.isolation``: tenants may then learn each
 other's cached prefixes).
 """
 

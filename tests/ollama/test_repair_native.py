@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from prefixpin.proxy.history import Committed, decide
-from prefixpin.proxy.repair import POLICIES, RepairConfig, Repairer, RepairMemory
+from prefixpin.proxy.session.history import Committed, decide
+from prefixpin.proxy.session.repair import POLICIES, RepairConfig, Repairer, RepairMemory
 
 from .conftest import MODEL, proxy_rig
 

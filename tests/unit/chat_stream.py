@@ -13,7 +13,7 @@ from prefixpin.adapters.openai_sse import classify
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.frames import Frame
 from prefixpin.core.sse import SSEDecoder
-from prefixpin.proxy.generation import Generation
+from prefixpin.proxy.pipeline.generation import Generation
 
 DONE = b"data: [DONE]\n\n"
 

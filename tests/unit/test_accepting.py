@@ -1,5 +1,5 @@
 """Connections waiting on a listener are accepted in one turn of the loop
-(``proxy.accepting``), on uvloop as on asyncio's loop.
+(``proxy.listen.accepting``), on uvloop as on asyncio's loop.
 
 Each case lets clients connect while the loop is held (the kernel completes their
 handshakes and queues them), then counts the loop's turns until every one of them has
@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 import uvloop
 
-from prefixpin.proxy.accepting import AcceptDrain
-from prefixpin.proxy.server import _Follower
+from prefixpin.proxy.listen.accepting import AcceptDrain
+from prefixpin.proxy.listen.server import _Follower
 
 CLIENTS = 64
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -178,7 +178,7 @@ async def turns_to_answer_waiting(port: int) -> int:
 
 
 def test_the_proxy_listener_answers_a_burst_of_waiting_connections_in_a_few_turns() -> None:
-    """The listeners ``prefixpin serve`` runs (``proxy.server``): each drains what waits on
+    """The listeners ``prefixpin serve`` runs (``proxy.listen.server``): each drains what waits on
     its socket from startup, and stops at shutdown."""
     async def main() -> int:
         server = _Follower(uvicorn.Config(hello, host="127.0.0.1", port=0, lifespan="off",

@@ -8,7 +8,7 @@ from typing import Any
 from prefixpin.adapters.base import Frame
 from prefixpin.adapters.openai_sse import classify
 from prefixpin.core.sse import SSEDecoder
-from prefixpin.proxy.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
 
 
 def frames(*payloads: dict[str, Any] | str) -> list[Frame]:

@@ -34,10 +34,10 @@ from prefixpin.core.sse import SSEDecoder
 from prefixpin.proxy.codecs import ANTHROPIC_MESSAGES, codec_at, codec_of
 from prefixpin.proxy.codecs.anthropic import PING, AnthropicCodec
 from prefixpin.proxy.codecs.anthropic_convert import normalize_billing_header
-from prefixpin.proxy.history import digest
-from prefixpin.proxy.identity import explicit_identity
-from prefixpin.proxy.isolation import ApiNotServedError
-from prefixpin.proxy.validation import ClientRequest
+from prefixpin.proxy.listen.isolation import ApiNotServedError
+from prefixpin.proxy.pipeline.validation import ClientRequest
+from prefixpin.proxy.session.history import digest
+from prefixpin.proxy.session.identity import explicit_identity
 from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = AnthropicCodec()
@@ -418,7 +418,7 @@ def test_defaults_and_choices(fields: dict[str, Any], expected: dict[str, Any]) 
 
 
 def test_claude_code_metadata_names_the_session() -> None:
-    """``metadata`` stays where proxy.identity reads Claude Code's session id."""
+    """``metadata`` stays where proxy.session.identity reads Claude Code's session id."""
     body = converted({"metadata": {"user_id": json.dumps({"device_id": "dev",
                                                            "session_id": "5f1e-aa"})},
                       "messages": [{"role": "user", "content": "hi"}]})

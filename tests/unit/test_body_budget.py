@@ -18,9 +18,9 @@ from prefixpin.core.errors import (
 )
 from prefixpin.proxy.cli import SERVE_FLAGS, build_parser, settings_from_args
 from prefixpin.proxy.codecs.anthropic import error_body
-from prefixpin.proxy.logs import get_logger
+from prefixpin.proxy.ops.logs import get_logger
+from prefixpin.proxy.pipeline.validation import BodyBudget, read_body
 from prefixpin.proxy.settings import Settings
-from prefixpin.proxy.validation import BodyBudget, read_body
 
 pytestmark = pytest.mark.anyio
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from prefixpin.proxy.history import Committed, decide, digest, rendered
-from prefixpin.proxy.placement import QueueFullError, QueueGate, SlotPool, Want
-from prefixpin.proxy.sessions import SessionStore
+from prefixpin.proxy.session.history import Committed, decide, digest, rendered
+from prefixpin.proxy.session.placement import QueueFullError, QueueGate, SlotPool, Want
+from prefixpin.proxy.session.sessions import SessionStore
 
 
 def test_a_namespace_cycling_keys_evicts_only_its_own_sessions() -> None:

@@ -42,8 +42,8 @@ def test_each_bound_flag_reaches_its_setting(flag: str) -> None:
 
 
 def test_all_bounds_at_once_reach_the_session_store_and_queue_gate() -> None:
-    from prefixpin.proxy.placement import QueueGate
-    from prefixpin.proxy.sessions import SessionStore
+    from prefixpin.proxy.session.placement import QueueGate
+    from prefixpin.proxy.session.sessions import SessionStore
 
     argv = ["serve", "--upstream", "http://z:1"]
     for flag, (_, value) in BOUNDS.items():
@@ -65,7 +65,7 @@ def test_a_bound_below_its_minimum_is_exit_2(capsys: pytest.CaptureFixture[str])
 
 def test_the_engine_bounds_reach_the_engine_connections() -> None:
     from prefixpin.adapters.h1 import EngineBounds
-    from prefixpin.proxy.engines import engine_bounds
+    from prefixpin.proxy.engine.engines import engine_bounds
 
     argv = ["serve", "--upstream", "http://z:1"]
     for flag, (_, value) in BOUNDS.items():

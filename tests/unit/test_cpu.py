@@ -20,8 +20,8 @@ from prefixpin.core.cpu import (
     library_has_amx,
     parse_flags,
 )
-from prefixpin.proxy.doctor import Observations, cpu_paths_finding
-from prefixpin.proxy.engine_facts import parse_llama_args
+from prefixpin.proxy.engine.engine_facts import parse_llama_args
+from prefixpin.proxy.ops.doctor import Observations, cpu_paths_finding
 from tests.rig.llama_build import CMAKE_FLAGS, build_key
 
 # llama_print_system_info() of a -march=native build on a Sapphire Rapids Xeon

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixpin.proxy.doctor import (
+from prefixpin.proxy.engine.engine_facts import ModelFacts
+from prefixpin.proxy.ops.doctor import (
     EVICTED,
     RESTORED,
     RESTORED_NEXT,
@@ -21,7 +22,6 @@ from prefixpin.proxy.doctor import (
     diagnose,
     render_text,
 )
-from prefixpin.proxy.engine_facts import ModelFacts
 
 KEPT, LOST = Survival(218, 235, 218), Survival(0, 235, 218)
 FULL = ModelFacts("llama", 0, False, 8192, None)
@@ -117,7 +117,7 @@ def test_the_figures_are_in_the_json_and_the_text() -> None:
 
 
 def test_no_host_cache_but_slot_files_is_ok() -> None:
-    """--cache-ram 0 is what proxy.isolation recommends: slot files bring sessions back."""
+    """--cache-ram 0 is what proxy.listen.isolation recommends: slot files bring sessions back."""
     finding = eviction(FULL, **everything(evicted=LOST))
     assert finding.status == "ok"
     assert finding.summary.endswith("survives on a warm slot and after a restore from a slot "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixpin.proxy.engine_facts import parse_llama_args
+from prefixpin.proxy.engine.engine_facts import parse_llama_args
 
 
 def test_a_relative_slot_save_path_is_the_engines_own() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixpin.proxy.history import Committed, DigestMemo, canonical, decide, digest
+from prefixpin.proxy.session.history import Committed, DigestMemo, canonical, decide, digest
 
 Message = dict[str, Any]
 SYSTEM: Message = {"role": "system", "content": "You are a coding agent."}

@@ -28,19 +28,20 @@ from hypothesis import strategies as st
 from prefixpin.adapters.base import Capabilities, Frame, FrameKind, Progress
 from prefixpin.adapters.openai_sse import parse_progress
 from prefixpin.core.figures import Figures, figures_from, with_cached_tokens
-from prefixpin.proxy.affinity import AffinityPlanner
-from prefixpin.proxy.aggregate import aggregate
 from prefixpin.proxy.codecs import codec_of
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.history import Committed, DigestMemo, canonical, decide, digest
-from prefixpin.proxy.metrics import Metrics
-from prefixpin.proxy.placement import SlotPool
-from prefixpin.proxy.relay import _ensure_usage, heartbeat_text
-from prefixpin.proxy.repair import RepairConfig, Repairer
-from prefixpin.proxy.service import PREFIX_BREAK_SLACK, Backend, Incoming, Outcome, SlotLedger
-from prefixpin.proxy.sessions import SessionStore
-from prefixpin.proxy.tenants import ANONYMOUS
-from prefixpin.proxy.validation import parse_request
+from prefixpin.proxy.listen.tenants import ANONYMOUS
+from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.pipeline.aggregate import aggregate
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.records import Backend, Incoming, Outcome
+from prefixpin.proxy.pipeline.relay import _ensure_usage, heartbeat_text
+from prefixpin.proxy.pipeline.service import PREFIX_BREAK_SLACK, SlotLedger
+from prefixpin.proxy.pipeline.validation import parse_request
+from prefixpin.proxy.session.affinity import AffinityPlanner
+from prefixpin.proxy.session.history import Committed, DigestMemo, canonical, decide, digest
+from prefixpin.proxy.session.placement import SlotPool
+from prefixpin.proxy.session.repair import RepairConfig, Repairer
+from prefixpin.proxy.session.sessions import SessionStore
 
 PROPERTY = settings(max_examples=300, deadline=None)
 

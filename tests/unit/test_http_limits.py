@@ -1,5 +1,5 @@
 """The bounded request head, at the protocol: uvicorn's own httptools protocol (subclassed by
-``proxy.http_limits``) fed exactly the chunks a socket read would give it.
+``proxy.listen.http_limits``) fed exactly the chunks a socket read would give it.
 
 Which bytes arrive in one read is up to the kernel; feeding the protocol directly makes the
 case that broke in the field (a whole agent request, head and a 150 kB body, in one read)
@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from prefixpin.proxy.http_limits import (
+from prefixpin.proxy.listen.http_limits import (
     LINGER_MAX_BYTES,
     LINGER_S,
     MAX_HEAD_BYTES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixpin.proxy.identity import explicit_identity
+from prefixpin.proxy.session.identity import explicit_identity
 
 
 @pytest.mark.parametrize(("body", "headers", "key", "source"), [

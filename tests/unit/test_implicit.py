@@ -13,8 +13,8 @@ import pytest
 
 from prefixpin.fingerprint import Markers, MessageTokenCache, chain_for_messages
 from prefixpin.fingerprint.tokenizer import ModelTokenizer, markers_for
-from prefixpin.proxy.history import digest
-from prefixpin.proxy.implicit import INLINE_CHARS, Fingerprinter
+from prefixpin.proxy.session.history import digest
+from prefixpin.proxy.session.implicit import INLINE_CHARS, Fingerprinter
 from tests.fingerprint.conftest import rig_tokenizer
 
 pytestmark = pytest.mark.anyio

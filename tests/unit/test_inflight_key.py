@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixpin.proxy.history import digest
-from prefixpin.proxy.inflight import inflight_key
+from prefixpin.proxy.pipeline.inflight import inflight_key
+from prefixpin.proxy.session.history import digest
 
 MESSAGES = [{"role": "system", "content": "You help."}, {"role": "user", "content": "hi"}]
 

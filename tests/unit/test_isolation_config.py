@@ -1,5 +1,5 @@
 """``--upstreams-file`` with dedicated backends (``namespace=``), ``--allow-shared-cache``,
-and which engines' prompt caches cross slots (``proxy.engines.shared_cache_reason``)."""
+and which engines' prompt caches cross slots (``proxy.engine.engines.shared_cache_reason``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from prefixpin.proxy.cli import (
     read_upstreams_file,
     settings_from_args,
 )
-from prefixpin.proxy.engine_facts import parse_llama_args
-from prefixpin.proxy.engines import FLAGS_UNREADABLE, OLLAMA_SHARED, shared_cache_reason
+from prefixpin.proxy.engine.engine_facts import parse_llama_args
+from prefixpin.proxy.engine.engines import FLAGS_UNREADABLE, OLLAMA_SHARED, shared_cache_reason
 
 NS_A, NS_B = "t-0123456789abcdef", "t-fedcba9876543210"
 

@@ -1,4 +1,4 @@
-"""A listener (``proxy.server._Listener``) sleeps until it is told to stop: no tick wakes
+"""A listener (``proxy.listen.server._Listener``) sleeps until it is told to stop: no tick wakes
 it (each one is paid for every second a request waits on a long prefill), and the Date
 header is stamped when a response reads it."""
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from prefixpin.proxy.server import _Follower
+from prefixpin.proxy.listen.server import _Follower
 
 pytestmark = pytest.mark.anyio
 

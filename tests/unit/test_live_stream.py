@@ -15,11 +15,11 @@ from starlette.types import Message
 
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.frames import Frame
-from prefixpin.proxy.client_writes import BODY_WRITER
 from prefixpin.proxy.codecs import codec_of
 from prefixpin.proxy.codecs.openai_sse import ClientView
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.relay import LiveStream
+from prefixpin.proxy.listen.client_writes import BODY_WRITER
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.relay import LiveStream
 from tests.unit.test_relay_path import STREAM, client_of, event, frames_of, opener_of
 
 

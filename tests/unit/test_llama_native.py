@@ -25,12 +25,12 @@ from prefixpin.core.errors import BadRequestError, QueueTimeoutError, UpstreamSt
 from prefixpin.core.figures import figures_from
 from prefixpin.core.frames import Frame, Progress
 from prefixpin.core.sse import SSEDecoder
-from prefixpin.proxy.affinity import infill_identity, planned_body
 from prefixpin.proxy.codecs import codec_at, codec_for
 from prefixpin.proxy.codecs.llama_native import LlamaNativeCodec, fold, nested_values
-from prefixpin.proxy.engines import ENGINES
-from prefixpin.proxy.history import Committed, decide
-from prefixpin.proxy.validation import ClientRequest, Endpoint, parse_llama_request
+from prefixpin.proxy.engine.engines import ENGINES
+from prefixpin.proxy.pipeline.validation import ClientRequest, Endpoint, parse_llama_request
+from prefixpin.proxy.session.affinity import infill_identity, planned_body
+from prefixpin.proxy.session.history import Committed, decide
 from tests.app.conftest import running_proxy
 from tests.fakes.fake_llama import FakeLlamaServer
 

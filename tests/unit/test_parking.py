@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from prefixpin.adapters.base import EngineInfo
-from prefixpin.proxy.history import Committed
 from prefixpin.proxy.parking import (
     DEFAULT_INDEX_ROOT,
     INDEX_NAME,
@@ -33,6 +32,7 @@ from prefixpin.proxy.parking import (
     tokens_digest,
     unpack_tokens,
 )
+from prefixpin.proxy.session.history import Committed
 from prefixpin.proxy.settings import Settings
 
 

@@ -21,11 +21,11 @@ from prefixpin.adapters.base import Adapter, SlotFileResult
 from prefixpin.proxy.cluster.core import Cluster
 from prefixpin.proxy.cluster.park_index import RedisParkIndex
 from prefixpin.proxy.cluster.sessions import SharedSessions
-from prefixpin.proxy.history import Committed, digest
-from prefixpin.proxy.metrics import Metrics
+from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking import ParkConfig, ParkManager, ParkRecord, read_slot_tokens, scope_of
-from prefixpin.proxy.placement import Eviction
-from prefixpin.proxy.sessions import Session, SessionStore
+from prefixpin.proxy.session.history import Committed, digest
+from prefixpin.proxy.session.placement import Eviction
+from prefixpin.proxy.session.sessions import Session, SessionStore
 from tests.rig.redis_process import RedisProcess, run_redis_server
 from tests.unit.test_parking import record, slot_file
 

@@ -1,4 +1,4 @@
-"""The canonical request path (``proxy.paths``): systematically generated aliases of every
+"""The canonical request path (``proxy.listen.paths``): systematically generated aliases of every
 pipeline route and of engine paths each map to exactly the path they mean or are refused;
 arbitrary bytes never raise anything but ``PathRejected``; the middleware rewrites the
 scope or answers 400, and leaves a canonical path untouched.
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixpin.proxy.codecs import routes
-from prefixpin.proxy.paths import PathRejected, canonical_path, canonical_paths, is_canonical
+from prefixpin.proxy.listen.paths import PathRejected, canonical_path, canonical_paths, is_canonical
 
 ENGINE_PATHS = ("/slots/0", "/completion", "/api/delete", "/props", "/api/tags")
 PATHS = (*routes(), *ENGINE_PATHS)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from prefixpin.core.errors import QueueTimeoutError
-from prefixpin.proxy.placement import Eviction, SlotPool, Want
+from prefixpin.proxy.session.placement import Eviction, SlotPool, Want
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from prefixpin.proxy.placement import SlotEntry, SlotPool, Want
+from prefixpin.proxy.session.placement import SlotEntry, SlotPool, Want
 
 
 def chosen_before(pool: SlotPool, want: Want) -> SlotEntry | None:

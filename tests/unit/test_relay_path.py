@@ -21,9 +21,9 @@ from prefixpin.core.figures import figures_from
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import SSEDecoder
 from prefixpin.proxy.codecs.openai_sse import ClientView
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.relay import _early_error
-from prefixpin.proxy.validation import parse_request
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.relay import _early_error
+from prefixpin.proxy.pipeline.validation import parse_request
 
 ENVELOPE = {"id": "c1", "created": 1, "model": "m", "object": "chat.completion.chunk"}
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from prefixpin.proxy.history import Committed, decide
-from prefixpin.proxy.repair import (
+from prefixpin.proxy.session.history import Committed, decide
+from prefixpin.proxy.session.repair import (
     POLICIES,
     TRIM_CHARS,
     RepairConfig,

@@ -18,9 +18,9 @@ from prefixpin.adapters.openai_sse import TokenShape
 from prefixpin.core.errors import UpstreamProtocolError
 from prefixpin.core.figures import figures_from
 from prefixpin.core.frames import Frame
-from prefixpin.proxy.aggregate import RelayedRun, aggregate, assistant_message, fold_read
-from prefixpin.proxy.generation import Generation
-from prefixpin.proxy.inflight import joinable
+from prefixpin.proxy.pipeline.aggregate import RelayedRun, aggregate, assistant_message, fold_read
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.inflight import joinable
 from tests.unit.chat_stream import DONE, frames_of, sse
 
 pytestmark = pytest.mark.anyio

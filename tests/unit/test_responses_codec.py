@@ -32,8 +32,8 @@ from prefixpin.core.sse import SSEDecoder
 from prefixpin.proxy.codecs import OPENAI_RESPONSES, codec_at, codec_of
 from prefixpin.proxy.codecs.responses import ResponsesCodec
 from prefixpin.proxy.codecs.responses_convert import DROPPED, to_chat
-from prefixpin.proxy.identity import explicit_identity
-from prefixpin.proxy.validation import ClientRequest
+from prefixpin.proxy.pipeline.validation import ClientRequest
+from prefixpin.proxy.session.identity import explicit_identity
 from tests.unit.chat_stream import DONE, frames_of, generation, sse
 
 CODEC = ResponsesCodec()

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import pytest
 
 from prefixpin.fingerprint import Chain, chain
-from prefixpin.proxy.affinity import AffinityPlanner, ranked
-from prefixpin.proxy.history import Committed, digest
-from prefixpin.proxy.sessions import Session, SessionStore
+from prefixpin.proxy.session.affinity import AffinityPlanner, ranked
+from prefixpin.proxy.session.history import Committed, digest
+from prefixpin.proxy.session.sessions import Session, SessionStore
 
 OPENERS = [1]
 NAMESPACES = ("anon", "t-other")

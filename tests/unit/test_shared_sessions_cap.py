@@ -12,7 +12,7 @@ import pytest
 
 from prefixpin.proxy.cluster.core import Cluster
 from prefixpin.proxy.cluster.sessions import SharedSessions
-from prefixpin.proxy.sessions import Session, SessionStore
+from prefixpin.proxy.session.sessions import Session, SessionStore
 from tests.rig.redis_process import RedisProcess, run_redis_server
 
 pytestmark = pytest.mark.usefixtures("redis_server_binary")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from prefixpin.core.streaming import StreamResponse
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.listen.http_limits import http_options
 from tests.fakes.servers import serve_in_thread
 
 

@@ -1,8 +1,8 @@
-"""Mid-conversation system messages rendered in place (proxy.system_turns), as data."""
+"""Mid-conversation system messages rendered in place (proxy.pipeline.system_turns), as data."""
 
 from __future__ import annotations
 
-from prefixpin.proxy.system_turns import CLOSE, OPEN, has_mid_system, in_place
+from prefixpin.proxy.pipeline.system_turns import CLOSE, OPEN, has_mid_system, in_place
 
 
 def test_only_system_messages_after_the_first_position_are_rewritten() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixpin.proxy.tenants import (
+from prefixpin.proxy.listen.tenants import (
     ANONYMOUS,
     Tenants,
     TenantsFileError,

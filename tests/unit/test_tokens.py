@@ -9,7 +9,7 @@ from array import array
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixpin.proxy.tokens import TokenCounter, common_prefix, scope
+from prefixpin.proxy.session.tokens import TokenCounter, common_prefix, scope
 
 
 class CountingEncoder:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from prefixpin.core.errors import BadRequestError, PayloadTooLargeError
-from prefixpin.proxy.validation import TooManyValuesError, parse_request, read_body
+from prefixpin.proxy.pipeline.validation import TooManyValuesError, parse_request, read_body
 
 
 def chat(body: object) -> bytes:

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bench.floor_proxy import create_app
-from prefixpin.proxy.http_limits import http_options
+from prefixpin.proxy.listen.http_limits import http_options
 
 
 async def healthz(request: Request) -> Response:

@@ -1,0 +1,1 @@
+"""Engines: each engine kind, the lane that runs one, what is known of it, and the watch on it."""

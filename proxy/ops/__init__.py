@@ -1,0 +1,1 @@
+"""The operator's side: doctor, metrics, structured logs and the status page."""
