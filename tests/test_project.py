@@ -77,7 +77,7 @@ def test_the_wheel_holds_the_packages_and_no_test_rig(tmp_path: Path) -> None:
         ".dist-info")}
     assert tops == {"prefixpin"}
     assert {f"prefixpin/{package}/__init__.py" for package in PACKAGES} <= set(names)
-    assert "prefixpin/proxy/models.py" in names  # prefixpin serve's default model fetch
+    assert "prefixpin/proxy/engine/models.py" in names  # prefixpin serve's default model fetch
     parts = {part.removesuffix(".py") for name in names for part in name.split("/")}
     test_weight = {"rig", "tests", "bench", "fakes", "fake_ollama", "faults"}
     assert not parts & test_weight, sorted(parts & test_weight)
