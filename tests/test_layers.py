@@ -232,6 +232,15 @@ def test_no_folder_holds_more_than_fifteen_modules() -> None:
     assert not crowded, crowded
 
 
+def test_the_records_every_stage_reads_are_a_leaf() -> None:
+    """``proxy.pipeline.records`` (Plan, Incoming, Backend, Outcome, ...) runs nothing when
+    imported: what it imports at import time imports nothing of the project itself."""
+    graph = import_graph()
+    loaded = graph["proxy.pipeline.records"]
+    assert set(loaded) == {"proxy.session.identity"}  # (the graph is not vacuous)
+    assert not [module for module in loaded if graph[module]], loaded
+
+
 def test_layers() -> None:
     """core, adapters and fingerprint import nothing from the layers they sit below, not
     even lazily or for type checking."""

@@ -7,22 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from prefixpin.adapters.base import Adapter, EngineInfo
-from prefixpin.core.figures import Figures
-from prefixpin.fingerprint import Chain
-from prefixpin.proxy.codecs import Codec
-from prefixpin.proxy.pipeline.validation import ClientRequest
-from prefixpin.proxy.session.history import DigestMemo, Shape
-from prefixpin.proxy.session.identity import ExplicitIdentity, explicit_identity
-from prefixpin.proxy.session.placement import Lease, Want
-from prefixpin.proxy.session.repair import Applied
+from prefixpin.proxy.session.identity import explicit_identity
+
+if TYPE_CHECKING:  # the records name what the stages hold; importing them runs none
+    from prefixpin.adapters.base import Adapter, EngineInfo
+    from prefixpin.core.figures import Figures
+    from prefixpin.fingerprint import Chain
+    from prefixpin.proxy.codecs import Codec
+    from prefixpin.proxy.pipeline.validation import ClientRequest
+    from prefixpin.proxy.session.history import DigestMemo, Shape
+    from prefixpin.proxy.session.identity import ExplicitIdentity
+    from prefixpin.proxy.session.placement import Lease, Want
+    from prefixpin.proxy.session.repair import Applied
 
 # For an engine that reports no cached count (Ollama before 0.33.3): a function from the
 # request's figures to the planner's estimate. An estimate goes to the metrics labelled
 # source="estimated" and to the log, never to a client.
-CachedEstimate = Callable[[Figures], int]
+CachedEstimate: TypeAlias = "Callable[[Figures], int]"
 
 
 @dataclass(slots=True)
