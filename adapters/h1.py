@@ -31,6 +31,12 @@ from typing import Any, Protocol, cast
 
 import httpx
 
+from prefixpin.core.defaults import HEAD_WITHIN_S as HEAD_WITHIN_S
+from prefixpin.core.defaults import MAX_HEAD_BYTES as MAX_HEAD_BYTES
+from prefixpin.core.defaults import MAX_INTERIM_RESPONSES as MAX_INTERIM_RESPONSES
+from prefixpin.core.defaults import MIN_READ as MIN_READ
+from prefixpin.core.defaults import TURN_READ_BUDGET as TURN_READ_BUDGET
+
 try:
     import httptools
 except ImportError:  # pragma: no cover - a platform without the wheel
@@ -46,16 +52,8 @@ HIGH_WATER = 1 << 20  # unread body bytes past which the socket stops being read
 # streamed token is a few hundred bytes, and an engine generating hundreds of tokens a
 # second writes a few kilobytes a turn: only a flood fills even ``MIN_READ``.
 READ_SIZE = 16 * 1024
-TURN_READ_BUDGET = 16 * 1024
-MIN_READ = 2 * 1024
 RELAYED_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _NO_BODY_STATUS = frozenset({204, 304})
-# The engine's response head, bounded: its bytes (an endless header line or header count
-# would grow the parser's buffers), the interim 1xx responses before it, and the time from
-# its first byte (the read timeout measures silence, and a trickle is never silent).
-MAX_HEAD_BYTES = 1 << 20
-MAX_INTERIM_RESPONSES = 8
-HEAD_WITHIN_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)

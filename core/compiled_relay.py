@@ -40,11 +40,11 @@ try:
     from prefixpin.core._relay import Relay
 except ImportError:  # not built here (no compiler, not Linux): the Python path does it all
     Relay = None  # type: ignore[assignment,misc,unused-ignore]
-    # The extension's defaults and floor (core/_relay.c), for the settings and the
-    # signature alone: no relay is built.
-    MAX_READ_PER_RUN = 16 * 1024
-    MAX_RELAYED_HELD = 64 * 1024
-    MIN_READ_PER_RUN = 4096
+    # The extension's defaults and floor (core/_relay.c), for the signature alone: no
+    # relay is built.
+    from prefixpin.core.defaults import MAX_READ_PER_RUN as MAX_READ_PER_RUN
+    from prefixpin.core.defaults import MAX_RELAYED_HELD as MAX_RELAYED_HELD
+    from prefixpin.core.defaults import MIN_READ_PER_RUN as MIN_READ_PER_RUN
 
 
 def available() -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,74 @@ def test_the_graph_sees_the_modules_it_must() -> None:
     assert "proxy.cluster.core" in import_graph(type_only=True)["proxy.engine.lane"]
     assert "proxy.cluster.core" not in graph["proxy.pipeline.router"]  # inside open_router
     assert "adapters.embedded" not in graph["proxy.engine.engines"]  # inside open_embedded_adapter
+
+
+# ---------------------------------------------------------------- the settings
+
+SETTINGS = "proxy.settings"
+# What the settings may import besides the standard library and the product's leaves.
+SETTINGS_LIBRARIES = frozenset({"pydantic", "pydantic_settings"})
+
+
+def leaves(modules: Mapping[str, Path]) -> set[str]:
+    """The product's modules that import no product module at all (not even lazily or for
+    type checking) and nothing outside the standard library: constants and plain
+    definitions, nothing that runs."""
+    return {name for name, path in modules.items()
+            if not any(imp.target != name for imp in imports_of(
+                path.read_text(), name, modules, is_package=path.name == "__init__.py"))
+            and all(library in sys.stdlib_module_names
+                    for library, _ in libraries_imported(path.read_text()))}
+
+
+def packages_of(module: str) -> list[str]:
+    """The packages importing ``module`` imports first: ``core.defaults`` -> ``core``."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def libraries_imported(source: str) -> list[tuple[str, int]]:
+    """The top-level names of the modules outside the product ``source`` imports when it
+    is imported (not in a function, not for type checking), with their lines."""
+    found = []
+    for node, module_level, _ in _visits(ast.parse(source), True):
+        if not module_level or (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""])
+        found += [(name.split(".")[0], node.lineno) for name in names
+                  if name.split(".")[0] != DISTRIBUTION]
+    return found
+
+
+def test_the_settings_import_nothing_that_runs() -> None:
+    """Reading the settings (their defaults, the flags made of them) loads no engine client,
+    relay or pipeline: ``proxy.settings`` imports, of the product, only leaf modules (even
+    lazily) in leaf packages, and when imported, nothing outside the standard library but
+    pydantic."""
+    modules = project_modules()
+    path, leaf = modules[SETTINGS], leaves(modules)
+    offenders = [f"{path.relative_to(ROOT)}:{imp.line}: {SETTINGS} imports {target}"
+                 for imp in imports_of(path.read_text(), SETTINGS, modules)
+                 for target in [*packages_of(imp.target), imp.target] if target not in leaf]
+    offenders += [f"{SETTINGS}'s package {package} is not a leaf"
+                  for package in packages_of(SETTINGS) if package not in leaf]
+    offenders += [f"{path.relative_to(ROOT)}:{line}: {SETTINGS} imports {name}"
+                  for name, line in libraries_imported(path.read_text())
+                  if name not in sys.stdlib_module_names and name not in SETTINGS_LIBRARIES]
+    assert not offenders, "\n".join(offenders)
+    assert "core.defaults" in import_graph()[SETTINGS]  # the graph sees its imports
+    assert "core.defaults" in leaf
+    assert "adapters.h1" not in leaf
+    assert "proxy.listen.uvicorn_seam" not in leaf  # no product module, but uvicorn
+    assert packages_of("proxy.parking.index") == ["proxy", "proxy.parking"]
+
+
+def test_libraries_imported_leaves_out_lazy_type_only_and_own_imports() -> None:
+    source = ("import os.path\nfrom pydantic import Field\nimport prefixpin.core\n"
+              "from . import x\nif TYPE_CHECKING:\n    import httpx\n"
+              "def f() -> None:\n    import httpx\n")
+    assert libraries_imported(source) == [("os", 1), ("pydantic", 2)]
 
 
 # ---------------------------------------------------------------- the checker itself

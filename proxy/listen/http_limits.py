@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixpin.core import compiled_relay as relay_core
+from prefixpin.core.defaults import MAX_BODY_CHUNKS
 from prefixpin.core.errors import openai_error
 from prefixpin.proxy.listen.client_writes import (
     BODY_WRITER,
@@ -42,9 +43,6 @@ LINGER_S = 2.0  # after a refusal, how long the rest of the request is read and 
 # reset at the linger's end), as reading a blast at line rate for two seconds would take
 # the loop from every other connection.
 LINGER_MAX_BYTES = 1 << 20
-# Chunks of one chunked request body (``--max-body-chunks``'s default): each costs the
-# parser's callbacks whatever its size.
-MAX_BODY_CHUNKS = 4096
 
 
 @dataclass(frozen=True, slots=True)

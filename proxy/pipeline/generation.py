@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from prefixpin.adapters.base import Frame, FrameKind, Progress, UpstreamStream
+from prefixpin.core.defaults import MAX_REPLY_BYTES
 from prefixpin.core.errors import (
     GenerationCancelledError,
     ProxyError,
@@ -45,10 +46,6 @@ if TYPE_CHECKING:
     from prefixpin.adapters.h1 import RelayHandoff
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
-
-# The event bytes of one engine reply (``--max-reply-bytes``): 512 bytes for each of
-# ``--max-reply-events``' default events, more than any token event of an engine we serve.
-MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 class RelayHold(Protocol):

@@ -8,12 +8,23 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import Any
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
 
 import pytest
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
 
-from prefixpin.proxy.cli import build_parser, settings_from_args
-from prefixpin.proxy.settings import Settings
+from prefixpin.core import compiled_relay, defaults
+from prefixpin.proxy.cli import (
+    SERVE_FLAGS,
+    build_parser,
+    settings_from_args,
+    shown_default,
+    value_type,
+)
+from prefixpin.proxy.settings import Flag, Settings
 
 # flag -> (the argument it sets, what it sets given "7", or given alone if it takes none)
 SERVE: dict[str, tuple[str, Any]] = {
@@ -231,3 +242,122 @@ def test_flags_override_the_environment_and_the_environment_the_defaults(
          "--affinity", "--no-allow-shared-cache"]))
     assert (flagged.first_byte_ms, flagged.affinity, flagged.allow_shared_cache,
             flagged.upstreams, flagged.heartbeat_s) == (90, True, False, ["http://b:2"], 4.0)
+
+
+# ---------------------------------------------------------------- one table: Settings
+
+def field_flag(name: str) -> Flag:
+    return next(m for m in Settings.model_fields[name].metadata if isinstance(m, Flag))
+
+
+def test_the_serve_flags_are_the_settings_marked_flag() -> None:
+    """Each flag is a Settings field marked ``Flag`` (and --upstreams-file, which is read
+    into several), so a new setting becomes a flag by its field alone."""
+    marked = [name for name, info in Settings.model_fields.items()
+              if any(isinstance(m, Flag) for m in info.metadata)]
+    assert [flag.field for flag in SERVE_FLAGS.values()] == marked
+    switches = [f"--no-{option[2:]}" for option, flag in SERVE_FLAGS.items()
+                if flag.kind is bool]
+    assert sorted([*SERVE_FLAGS, *switches, "--upstreams-file"]) == sorted(SERVE)
+
+
+def test_each_help_is_the_fields_description_and_its_default() -> None:
+    for option, flag in SERVE_FLAGS.items():
+        description = Settings.model_fields[flag.field].description
+        assert description
+        assert flag.help.startswith(description), option
+    helps = {option: flag.help for option, flag in SERVE_FLAGS.items()}
+    assert helps["--max-body"].endswith(" in bytes (default 32 MiB)")
+    assert helps["--park-max-bytes"].endswith("(default 8 GiB)")
+    assert helps["--compiled-hold"].endswith("(default 64 KiB)")
+    assert helps["--max-json-values"].endswith("(default 2,000,000)")
+    assert helps["--keep-reply-events"].endswith("(default 8192)")
+    assert helps["--park-min-tokens"].endswith("(default 256 tokens)")
+    assert helps["--heartbeat"].endswith("(default 2)")
+    assert helps["--overload-occupancy"].endswith("(default 1)")
+    assert helps["--host"].endswith("(default 127.0.0.1)")
+    assert helps["--park-ahead"].endswith("(default on; env PREFIXPIN_PARK_AHEAD=0)")
+    assert helps["--park-shared"].endswith("(default off; env PREFIXPIN_PARK_SHARED=1)")
+    assert "(default" not in helps["--threads"]  # None: nothing to show
+
+
+def test_the_help_names_only_real_variables() -> None:
+    """A ``PREFIXPIN_*`` variable the help names is a setting's (a renamed field would
+    leave it stale)."""
+    names = set(re.findall(r"PREFIXPIN_([A-Z_]+)", " ".join(f.help for f in SERVE_FLAGS.values())))
+    assert names
+    assert {name.lower() for name in names} <= set(Settings.model_fields)
+
+
+def test_a_default_shows_in_its_unit() -> None:
+    def info(default: object) -> FieldInfo:
+        return FieldInfo(default=default)
+
+    assert shown_default(info(3 << 20), "bytes") == "3 MiB"
+    assert shown_default(info(1000), "bytes") == "1000 bytes"
+    assert shown_default(info(4096), "bytes") == "4 KiB"
+    assert shown_default(info(12_345)) == "12,345"
+    assert shown_default(info(0.85)) == "0.85"
+    assert shown_default(info(False)) == "off"
+    assert shown_default(info(None)) is None
+    assert shown_default(FieldInfo(default_factory=list)) == "[]"
+    assert shown_default(FieldInfo()) is None  # required
+
+
+def test_values_convert_as_their_fields_are_typed() -> None:
+    assert value_type(int) is int
+    assert value_type(int | None) is int
+    assert value_type(Optional[float]) is float  # noqa: UP045 - the other spelling
+    assert value_type(bool) is bool
+    assert value_type(Literal["a", "b"]) is str
+    assert value_type(SecretStr | None) is str
+    assert value_type(int | str) is str
+
+
+def test_the_compiled_relay_is_built_with_the_defaults_the_settings_offer() -> None:
+    """core/_relay.c defines its defaults; core.defaults repeats them for the settings (a
+    leaf): where the relay is built, they agree."""
+    assert (compiled_relay.MAX_READ_PER_RUN, compiled_relay.MIN_READ_PER_RUN,
+            compiled_relay.MAX_RELAYED_HELD) == (defaults.MAX_READ_PER_RUN,
+                                                 defaults.MIN_READ_PER_RUN,
+                                                 defaults.MAX_RELAYED_HELD)
+
+
+# ---------------------------------------------------------------- docs/flags.md
+
+FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+
+
+def page_rows() -> list[tuple[list[str], str]]:
+    """Each row of docs/flags.md's table naming flags: its flags (``--[no-]x`` as both) and
+    its default cell."""
+    rows = []
+    for line in FLAGS_PAGE.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        flags = []
+        for match in re.finditer(r"`--(\[no-\])?([a-z][a-z-]*)", cells[0]):
+            flags += [f"--{match[2]}", *([f"--no-{match[2]}"] if match[1] else [])]
+        if flags:
+            rows.append((flags, cells[1]))
+    return rows
+
+
+def test_the_flags_page_lists_every_flag() -> None:
+    listed = [flag for flags, _ in page_rows() for flag in flags]
+    assert sorted(listed) == sorted(SERVE)
+
+
+def test_the_flags_page_shows_the_settings_defaults() -> None:
+    """Where each of a row's flags has a default to show, the row shows those (``on`` once
+    for three switches); a setting without one (None) is described in words there."""
+    checked = 0
+    for flags, cell in page_rows():
+        infos = [(Settings.model_fields[SERVE_FLAGS[flag].field], field_flag(
+            SERVE_FLAGS[flag].field)) for flag in flags if flag in SERVE_FLAGS]
+        shown = [shown_default(info, flag.unit) for info, flag in infos]
+        if shown and all(text is not None for text in shown):
+            assert cell == ", ".join(dict.fromkeys(str(text) for text in shown)), flags
+            checked += 1
+    assert checked >= 40
