@@ -13,14 +13,7 @@ COPY proxy ./proxy
 COPY adapters ./adapters
 COPY fingerprint ./fingerprint
 COPY prefixpin ./prefixpin
-# gcc for the compiled relay (core/_relay.c: the install compiles it; without a compiler
-# it would quietly keep the slower Python relay), removed again in the same layer; the
-# import checks it was built.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && pip install ".[replicas]" \
-    && cd / && python -c "import prefixpin.core._relay" \
-    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y \
-    && rm -rf /var/lib/apt/lists/* /src
+RUN pip install ".[replicas]" && rm -rf /src
 
 # Parked sessions and other state live here (mount a volume to keep them).
 RUN useradd --system --create-home --home-dir /var/lib/prefixpin prefixpin

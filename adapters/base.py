@@ -11,14 +11,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from prefixpin.core.frames import Frame, FrameKind, Progress
-
-if TYPE_CHECKING:
-    from prefixpin.adapters.h1 import RelayHandoff
 
 __all__ = ["Adapter", "Capabilities", "EngineInfo", "Frame", "FrameKind", "Progress",
            "SlotFileResult", "SlotState", "UpstreamCall", "UpstreamStream"]
@@ -76,52 +73,9 @@ class UpstreamCall:
     on_head: Callable[[int], None] | None = None
 
 
-class TokenEvents(Protocol):
-    """A stream's learned token-event shape (``adapters.openai_sse.TokenShape``), as the
-    compiled relay's door reads it: the bytes around a token's text, and how to turn the
-    relayed events back into frames and text."""
-
-    @property
-    def head(self) -> bytes: ...
-
-    @property
-    def tail(self) -> bytes: ...
-
-    @property
-    def field(self) -> str: ...
-
-    @property
-    def figured(self) -> bool | None: ...
-
-    def frames(self, events: bytes, count: int) -> list[Frame]: ...
-
-    def text(self, texts: bytes) -> str: ...
-
-
-class RelayDoor(Protocol):
-    """Where an engine connection offers its stream's token events to the compiled relay
-    (``proxy.pipeline.generation.Generation``): asked after a read that ended with a whole token
-    event of the stream's learned shape."""
-
-    @property
-    def taking(self) -> bool:
-        """Someone may take an offer (a client the compiled relay can write): checked on
-        every such read, before an offer is made."""
-        ...
-
-    def offer(self, handoff: RelayHandoff, shape: TokenEvents) -> bool:
-        """The connection's reading, offered: True when taken (the relay reads the engine
-        socket from now on, until it gives the stream back through ``handoff``)."""
-        ...
-
-
 class FrameSink(Protocol):
     """Where pushed frames go (``proxy.pipeline.generation.Generation``): every frame of one engine
-    read, in order; ``relay_door`` is where the connection may offer its token events to
-    the compiled relay, None for a sink that never takes them."""
-
-    @property
-    def relay_door(self) -> RelayDoor | None: ...
+    read, in order."""
 
     def take_frames(self, frames: list[Frame]) -> None:
         """The frames of one read, as one list."""

@@ -223,8 +223,6 @@ class _Connection(asyncio.BufferedProtocol):
         self._bounds = bounds
         self._offered = READ_SIZE  # the last read's buffer size
         self._filled = False  # the last read filled it
-        self._last_read = b""  # the last read's bytes
-        self._aligned = False  # the last read was stopped at a chunk's end
         self._flooding = False  # counted in ``reads``
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
@@ -237,11 +235,6 @@ class _Connection(asyncio.BufferedProtocol):
         # While set (``_Body.push``: its reader's ``feed``), the body's bytes go to it from
         # the parser's callback as they are read, and nobody is woken until the response ends.
         self.sink: Callable[[bytes], None] | None = None
-        # With the sink, where the reader watches reads (``BodyReader.read_ended``): called
-        # after each read the parser took whole; there the compiled relay is offered a stream.
-        self.after_read: Callable[[ReadEnd], None] | None = None
-        # The compiled relay's hold on this connection's reading (``RelayHandoff``), if any.
-        self.relayed_by: RelayHandoff | None = None
         self._in_request = False
         self._lost = False
         self._reading_paused = False
@@ -264,9 +257,6 @@ class _Connection(asyncio.BufferedProtocol):
         self._interim = 0
         self._informational = False
         self._framed = False  # content-length or chunked: the body's end is known
-        self.at_chunk_end = False  # the parser is between two chunks of a chunked body
-        self._chunk_data = 0  # the body bytes of the chunk the parser is in, so far
-        self._align = 0  # the next read stops there: a chunk's end (``align_next_read``)
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
@@ -345,8 +335,6 @@ class _Connection(asyncio.BufferedProtocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait arms it again
-        if self.relayed_by is not None:
-            self.relayed_by.reclaim()  # its last read moves the deadline (``RelayHandoff.resume``)
         if self._loop.time() >= self._deadline:
             waiter.set_exception(httpx.ReadTimeout("read timed out",
                                                    request=self._request_or_none()))
@@ -393,16 +381,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         size = self._reads.size if self._flooding else READ_SIZE
-        self._aligned = 0 < self._align < size
-        if self._aligned:
-            size = self._align
-        self._align = 0
         self._offered = size
         return self._read_buffer if size == READ_SIZE else self._read_buffer[:size]
 
     def buffer_updated(self, nbytes: int) -> None:
-        # A read stopped at a chunk's end filled its buffer by design, not by a flood.
-        self._filled = nbytes >= self._offered and not self._aligned
+        self._filled = nbytes >= self._offered
         self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
@@ -410,7 +393,6 @@ class _Connection(asyncio.BufferedProtocol):
             self._broken()  # bytes nobody asked for: never reuse this connection
             return
         self._received += len(data)
-        self._last_read = data
         if not self._head_done:
             if not self._head_started:
                 self._head_started = self._loop.time()
@@ -439,8 +421,6 @@ class _Connection(asyncio.BufferedProtocol):
                 self._flooded()
             elif self._flooding:
                 self._calm()
-            if (after_read := self.after_read) is not None:
-                after_read(self)
             return
         if self._buffered > HIGH_WATER and not self._reading_paused and not self._lost:
             assert self._transport is not None
@@ -468,10 +448,8 @@ class _Connection(asyncio.BufferedProtocol):
         if not self._turn_paused:
             return
         self._turn_paused = False
-        # Not while the compiled relay reads the socket, or the reader is behind: each
-        # resumes it when it is done.
-        if (not self._lost and self._transport is not None and self.relayed_by is None
-                and not self._reading_paused):
+        # Not while the reader is behind: it resumes it when it is done.
+        if not self._lost and self._transport is not None and not self._reading_paused:
             self._transport.resume_reading()
 
     def eof_received(self) -> bool | None:
@@ -549,7 +527,6 @@ class _Connection(asyncio.BufferedProtocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:
             return  # a second response nobody asked for (closed below)
-        self._chunk_data += len(body)
         if (sink := self.sink) is not None:
             try:
                 sink(body)
@@ -558,13 +535,6 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.chunks.append(body)
         self._buffered += len(body)
-
-    def on_chunk_header(self) -> None:
-        self.at_chunk_end = False
-        self._chunk_data = 0
-
-    def on_chunk_complete(self) -> None:
-        self.at_chunk_end = True
 
     def on_message_complete(self) -> None:
         if self._informational:
@@ -595,143 +565,12 @@ class _Connection(asyncio.BufferedProtocol):
     def _request_or_none(self) -> Any:
         return self._request
 
-    # ---------------------------------------------------------------- the relay's handoff
-
-    @property
-    def read_at_chunk_end(self) -> bool:
-        # The parser calls a chunk complete after its CRLF, and a chunk's header only once
-        # its size line is whole: a read that ends in the next size line ends at neither.
-        return self.at_chunk_end and self._last_read.endswith(b"\r\n")
-
-    def align_next_read(self) -> None:
-        """The next read stops at the end of the chunk the last read ended in, where the
-        read shows that chunk's size line (nothing changes where it does not)."""
-        self._align = rest_of_chunk(self._last_read, self._chunk_data)
-
-    def handoff(self) -> RelayHandoff:
-        return RelayHandoff(self)
-
-    def socket_fileno(self) -> int:
-        sock = None if self._transport is None else self._transport.get_extra_info("socket")
-        if sock is None:
-            raise OSError("the engine connection has no socket")
-        return int(sock.fileno())
-
-    def pause_for(self, handoff: RelayHandoff) -> None:
-        """The relay reads the socket from now on: the loop stops reading it."""
-        assert self._transport is not None
-        assert self.relayed_by is None
-        self._transport.pause_reading()
-        self.relayed_by = handoff
-
-    def resume_from(self, handoff: RelayHandoff, engine: bytes, last_read: float) -> None:
-        """The relay gave the socket back (``RelayHandoff.resume``)."""
-        if self.relayed_by is not handoff:
-            return
-        self.relayed_by = None
-        if self._timeout_s is not None:
-            silent = max(0.0, time.monotonic() - last_read)
-            self._deadline = self._loop.time() - silent + self._timeout_s
-        if self._lost or self._transport is None:
-            return
-        if not self._reading_paused:
-            self._transport.resume_reading()
-        if engine and self.sink is not None:
-            self.data_received(engine)
-
-
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
-
-
-def rest_of_chunk(read: bytes, taken: int) -> int:
-    """The bytes from the end of ``read`` to the end of the chunk it ended in (its CRLF
-    included), where ``taken`` bytes of that chunk's data ended the read (then maybe its
-    CR), after its size line; 0 where ``read`` does not hold that size line whole, from
-    the end of the chunk before it."""
-    for cr in (0, 1):
-        start = len(read) - taken - cr  # the chunk's first data byte
-        if start < 3 or read[start - 2:start] != b"\r\n" or (cr and not read.endswith(b"\r")):
-            continue
-        # The line from the previous chunk's LF: a read that began inside the size line
-        # would show only its last digits.
-        if (after := read.rfind(b"\n", 0, start - 2)) < 0:
-            continue
-        line = read[after + 1:start - 2]
-        if not line or len(line) > 16 or line.strip(_HEX_DIGITS):
-            continue
-        size = int(line, 16)
-        if (size == taken) if cr else (size >= taken):
-            return size - taken + 2 - cr
-    return 0
-
-
-class ReadEnd(Protocol):
-    """An engine connection after a read its parser took whole (``BodyReader.read_ended``)."""
-
-    @property
-    def read_at_chunk_end(self) -> bool:
-        """The read ended between two chunks of a chunked body: where the compiled relay,
-        which reads from a chunk's start, may take over."""
-        ...
-
-    def align_next_read(self) -> None:
-        """The next read stops at the end of the chunk this one ended in, if it can tell
-        where: from there the compiled relay may take over."""
-        ...
-
-    def handoff(self) -> RelayHandoff:
-        """This connection's reading, to offer to the compiled relay."""
-        ...
-
-
 class BodyReader(Protocol):
     """What a pushed body hands its reads to (``_Body.push``), from the read itself."""
 
     def feed(self, chunk: bytes) -> None:
         """The body's bytes of one read (one parser callback), in order."""
         ...
-
-    def read_ended(self, read: ReadEnd) -> None:
-        """After a read the parser took whole, when ``watches_reads``."""
-        ...
-
-    @property
-    def watches_reads(self) -> bool: ...
-
-
-class RelayHandoff:
-    """This connection's reading handed to the compiled relay (``core.compiled_relay``)
-    while a response's body streams: ``fileno`` is its socket's; ``pause`` stops the loop
-    reading it (the compiled relay reads it then), ``resume`` takes it back with the bytes
-    the relay read and did not relay, which the parser reads on from. ``reclaim`` is set
-    by whoever adopts it: it makes the relay give the stream back now (the read timer
-    asks it when it fires; the relay's last read moves the timeout's deadline)."""
-
-    __slots__ = ("_connection", "reclaim")
-
-    def __init__(self, connection: _Connection) -> None:
-        self._connection = connection
-        self.reclaim: Callable[[], None] = _nothing
-
-    @property
-    def fileno(self) -> int:
-        return self._connection.socket_fileno()
-
-    def pause(self) -> None:
-        self._connection.pause_for(self)
-
-    def resume(self, engine: bytes, last_read: float) -> None:
-        """Back from the compiled relay: reading resumes (the socket's own end or error included),
-        after ``engine``, the bytes the compiled relay read and did not relay; ``last_read``: when
-        the compiled relay last read (``time.monotonic()``), the silence the timeout measures."""
-        # Spent: it forgets its reclaimer (the relay's hold on the stream, which holds
-        # this handoff: a cycle that would keep the stream's frames until a full GC).
-        self.reclaim = _nothing
-        self._connection.resume_from(self, engine, last_read)
-
-
-def _nothing() -> None:
-    return None
 
 
 class _Body(httpx.AsyncByteStream):
@@ -769,7 +608,6 @@ class _Body(httpx.AsyncByteStream):
         if connection.chunks:  # what arrived before the reader was there
             reader.feed(connection.take())
         connection.sink = reader.feed
-        connection.after_read = reader.read_ended if reader.watches_reads else None
         try:
             while True:
                 if connection.sink_error is not None:
@@ -780,9 +618,7 @@ class _Body(httpx.AsyncByteStream):
                     raise connection.error
                 await connection.wait(self._timeout)
         finally:
-            connection.sink = connection.after_read = None
-            if connection.relayed_by is not None:  # ended while the compiled relay read (a cancel)
-                connection.relayed_by.reclaim()  # what it relayed still reaches the log
+            connection.sink = None
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None

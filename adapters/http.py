@@ -19,8 +19,7 @@ import httpx
 import orjson
 
 from prefixpin.adapters.base import Frame, FrameSink
-from prefixpin.adapters.h1 import PUSHED_BODY, BodyReader, H1Transport, ReadEnd
-from prefixpin.adapters.openai_sse import TokenShape
+from prefixpin.adapters.h1 import PUSHED_BODY, BodyReader, H1Transport
 from prefixpin.core.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -313,11 +312,12 @@ async def decoded_frames(response: httpx.Response, what: str, decoder: StreamDec
 class WholeEvents(Protocol):
     """The frame of a read that is exactly one whole item, or None for any other read
     (``adapters.openai_sse.SameShapeTokens``: one per stream, it keeps what it learns of
-    the stream's token events), and the token shape it learned, if any."""
+    the stream's token events), and whether it has learned their shape."""
 
     def __call__(self, chunk: bytes, /) -> Frame | None: ...
 
-    def shape(self) -> TokenShape | None: ...
+    @property
+    def learned(self) -> bool: ...
 
 
 async def push_decoded_frames(response: httpx.Response, what: str, decoder: StreamDecoder[T],
@@ -330,9 +330,7 @@ async def push_decoded_frames(response: httpx.Response, what: str, decoder: Stre
     ``UpstreamError``.
 
     ``whole``: asked only while the decoder holds nothing, it spares the common piece,
-    one streamed token, the decoder's item and a call or two. With it, and a sink with a
-    relay door, the compiled relay is offered the stream after a read that ended with a
-    token of the learned shape (``_FrameFeed.read_ended``)."""
+    one streamed token, the decoder's item and a call or two."""
     reader = _FrameFeed(what, decoder, classify, sink, whole)
     with map_httpx_errors(what):
         body = pushed_body(response)
@@ -349,8 +347,7 @@ class _FrameFeed(Generic[T]):
     """A pushed body's reads, decoded and classified into frames for a sink
     (``adapters.h1.BodyReader``)."""
 
-    __slots__ = ("_classify", "_decoder", "_door", "_last", "_take_frame",
-                 "_take_frames", "_what", "_whole", "watches_reads")
+    __slots__ = ("_classify", "_decoder", "_take_frame", "_take_frames", "_what", "_whole")
 
     def __init__(self, what: str, decoder: StreamDecoder[T], classify: Callable[[T], Frame],
                  sink: FrameSink, whole: WholeEvents | None) -> None:
@@ -359,47 +356,20 @@ class _FrameFeed(Generic[T]):
         self._classify = classify
         self._take_frame, self._take_frames = sink.take_frame, sink.take_frames
         self._whole = whole
-        self._door = sink.relay_door
-        self._last: bytes | None = None  # this read's last whole event, as the engine sent it
-        self.watches_reads = whole is not None and self._door is not None
 
     def feed(self, chunk: bytes) -> None:
         whole = self._whole
         if whole is not None and self._decoder.idle and (frame := whole(chunk)) is not None:
-            self._last = chunk
             self._take_frame(frame)
             return
         items = _decoded(self._decoder, chunk, self._what)
         if len(items) == 1:  # one event per read: a token at a time
-            frame = self._classify(items[0])
-            self._last = frame.raw
-            self._take_frame(frame)
+            self._take_frame(self._classify(items[0]))
         elif items:
             frames = [self._classify(item) for item in items]
-            self._last = last = frames[-1].raw
-            if whole is not None and whole.shape() is None:
-                whole(last)  # learns from several events a read too (checked, not kept)
+            if whole is not None and not whole.learned:
+                whole(frames[-1].raw)  # learns from several events a read too (not kept)
             self._take_frames(frames)
-
-    def read_ended(self, read: ReadEnd) -> None:
-        """After a read the connection's parser took whole: the compiled relay is offered
-        the stream when the read's last event was a token of the learned shape, someone
-        takes offers (the door's ``taking``: a client the compiled relay can write) and the
-        read ended between two chunks and two events (the compiled relay starts at a
-        chunk's start). Ended elsewhere (a flood's reads end anywhere), the next read is
-        asked to stop at the end of its chunk."""
-        last, self._last = self._last, None
-        door, whole = self._door, self._whole
-        if last is None or door is None or whole is None or not door.taking:
-            return
-        shape = whole.shape()
-        if shape is None or not (last.startswith(shape.head) and last.endswith(shape.tail)):
-            return
-        if read.read_at_chunk_end and self._decoder.idle:
-            door.offer(read.handoff(), shape)
-        else:
-            read.align_next_read()
-
 
 def _decoded(decoder: StreamDecoder[T], chunk: bytes, what: str) -> list[T]:
     try:

@@ -316,7 +316,3 @@ class _Noting:
     def take_frame(self, frame: Frame) -> None:
         self._note(frame)
         self._sink.take_frame(frame)
-
-    @property
-    def relay_door(self) -> None:
-        return None  # Ollama's events are not llama-server's: the compiled relay never takes them

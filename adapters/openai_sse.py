@@ -12,7 +12,7 @@ bytes around it are the ones parsed, whole, before.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -138,12 +138,10 @@ class SameShapeTokens:
         self._compare(chunk, data, plain)
         return plain
 
-    def shape(self) -> TokenShape | None:
-        """The stream's token shape as learned so far (None before it is): what the
-        compiled relay checks an event against, and the frames made of what it relayed."""
-        if not self._head or self._field is None:
-            return None
-        return TokenShape(self._head, self._tail, self._field, self._figured)
+    @property
+    def learned(self) -> bool:
+        """The stream's token shape is known (its reads of one token take the shortcut)."""
+        return bool(self._head) and self._field is not None
 
     def _compare(self, chunk: bytes, data: dict[str, Any], frame: Frame) -> None:
         """A plain token the shape did not take: its bytes around its text become the
@@ -170,54 +168,6 @@ class SameShapeTokens:
         else:
             self._head = self._tail = b""
             self._learning = False
-
-
-class TokenShape:
-    """A learned token shape (``SameShapeTokens``): the bytes of a token event before its
-    text (``head``, up to and with the opening quote) and after it (``tail``)."""
-
-    __slots__ = ("field", "figured", "head", "tail")
-
-    def __init__(self, head: bytes, tail: bytes, field: str, figured: bool | None) -> None:
-        self.head, self.tail, self.field, self.figured = head, tail, field, figured
-
-    def frames(self, events: bytes, count: int) -> list[Frame]:
-        """The frames of ``count`` token events of this shape, relayed one after another
-        as ``events`` (what ``SameShapeTokens`` makes of each, the event parsed whole where
-        its tail's digits moved on). The compiled relay took each for one only if its text
-        is a JSON string's body (``core/_relay.c``); events that do not split into
-        ``count`` such events are the relay's bug, raised as a protocol error."""
-        field, figured = self.field, self.figured
-        return [_token_frame(raw, field, figured, text) for raw, text in self._read(events, count)]
-
-    def text(self, texts: bytes) -> str:
-        """The joined text of token events whose texts the compiled relay joined as
-        ``texts``, the JSON string bodies they were (``core.compiled_relay.GivenBack``): all
-        a log that folds what its client read needs of them. One decode, whatever their
-        number: a flood's events come by the hundred thousand."""
-        try:
-            text: str = orjson.loads(b'"' + texts + b'"')  # (a string, or it raises)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamProtocolError("compiled relay: its texts are not one JSON string"
-                                        ) from exc
-        return text
-
-    def _read(self, events: bytes, count: int) -> Iterator[tuple[bytes, str]]:
-        head = self.head
-        start, cut = len(head) - 1, len(self.tail)
-        pieces = events.split(b"\n\n")
-        if pieces.pop() != b"" or len(pieces) != count:
-            raise UpstreamProtocolError("compiled relay: its events do not split as counted")
-        for piece in pieces:
-            raw = piece + b"\n\n"
-            # (Its tail may differ in digits: llama-server's ``created`` moves on.)
-            if not raw.startswith(head) or len(raw) <= len(head) + cut:
-                raise UpstreamProtocolError("compiled relay: an event not of its shape")
-            try:
-                text = orjson.loads(raw[start:len(raw) - cut + 1])
-            except orjson.JSONDecodeError as exc:
-                raise UpstreamProtocolError("compiled relay: a token's text is not JSON") from exc
-            yield raw, text
 
 
 def _token_frame(raw: bytes, field: str | None, figured: bool | None, text: str) -> Frame:

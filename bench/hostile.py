@@ -9,7 +9,7 @@ send heads a few bytes a second, flood, and send oversized requests (issue 33).
 
 One fast fake llama-server (``bench/fast_engine.py``) and one prefixpin process in front of
 it (``python -m prefixpin.proxy.cli serve --upstream URL --port P --head-timeout S
---max-connections N``, the rest at its defaults, the compiled relay on), as
+--max-connections N``, the rest at its defaults), as
 ``bench/load.py`` starts them, on loopback. The healthy streams are ``bench/load.py``'s:
 ``--healthy`` stream slots, each running ``--waves`` requests back to back on a keep-alive
 connection, started staggered over one stream's length, every event of every stream
@@ -1018,7 +1018,7 @@ def render(result: dict[str, Any]) -> str:
         + (f"; the attackers at nice {result['attackers_nice']})" if result["attackers_nice"]
            else ")"),
         f"- proxy: `{' '.join(setup['proxy_cmd'])}` from {tree_line(setup['tree'])}; the "
-        "rest at its defaults (compiled relay on), logs at info into a file",
+        "rest at its defaults, logs at info into a file",
         f"- fake: `bench/fast_engine.py`, model_path {setup['model']}; "
         f"{setup['slots']} slots",
         f"- healthy: {result['plan']['streams']} stream slots x {result['plan']['waves']} "

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import httpx
 
-from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated, same_relay
+from bench.trees import Tree, cpu_per_request_us, cpu_seconds, paired_median_ms, rotated
 from tests.fakes.servers import free_port, free_ports
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
@@ -135,7 +135,6 @@ def run(requests: int, events: int, before: Tree | list[Tree] | None = None,
             pids[name] = stack.enter_context(process(
                 [*tree.serve(), *proxy_args, "--port", str(before_port)], arms[name],
                 **tree.popen_kwargs())).pid
-        same_relay(trees)
         client = stack.enter_context(httpx.Client(timeout=60))
         first: dict[str, list[float]] = {arm: [] for arm in arms}
         total: dict[str, list[float]] = {arm: [] for arm in arms}

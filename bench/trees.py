@@ -47,7 +47,7 @@ for where in ("proxy.listen.interpreter", "proxy.interpreter"):  # (trees before
         break
     except ImportError:
         pass
-try:
+try:  # (an older tree's compiled relay, where it was built)
     compiled = importlib.import_module("{package}core.compiled_relay").available()
 except ImportError:
     compiled = False
@@ -113,20 +113,9 @@ class Tree:
                                       "core", "adapters", "fingerprint").splitlines(),
                 "proxy_cli": cli, "adapters": adapters,
                 "python": {"executable": executable, **json.loads(build)},
-                # A worktree holds no build of core/_relay.c: its arm would relay in Python.
+                # Whether the tree relays in C (an older tree, with core/_relay.c built):
+                # this tree and any tree since its removal relay in Python.
                 "compiled_relay": json.loads(compiled)}
-
-
-def same_relay(described: dict[str, dict[str, Any]]) -> None:
-    """Refuse to compare arms of which some relay in C and some in Python: the bench would
-    measure the relay's language, not the trees."""
-    relays = {name: facts["compiled_relay"] for name, facts in described.items()}
-    if len(set(relays.values())) > 1:
-        missing = [str(described[name]["root"]) for name, compiled in relays.items()
-                   if not compiled]
-        raise SystemExit(f"arms differ in their relay ({relays}): build core/_relay.c in "
-                         f"{', '.join(missing)} (pip install -e there, or copy this tree's "
-                         "core/_relay*.so when core/_relay.c is the same)")
 
 
 def interpreter_line(python: dict[str, Any]) -> str:

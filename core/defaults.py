@@ -1,6 +1,6 @@
 """The bounds' defaults that ``proxy.settings`` offers and the modules enforcing them fall
 back to: constants alone. A leaf (it imports nothing), so reading the settings loads no
-engine client, relay or pipeline."""
+engine client or pipeline."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ MIN_READ = 2 * 1024
 MAX_HEAD_BYTES = 1 << 20
 MAX_INTERIM_RESPONSES = 8
 HEAD_WITHIN_S = 30.0
-
-# The compiled relay's (core/_relay.c defines the same; the built module's constants are
-# checked against these): engine bytes one run reads, the flooding streams together; what
-# every ready stream that is not flooding reads besides; the relayed event bytes kept for
-# a stream before they are delivered.
-MAX_READ_PER_RUN = 16 * 1024
-MIN_READ_PER_RUN = 4096
-MAX_RELAYED_HELD = 64 * 1024
 
 # The event bytes of one engine reply (proxy.pipeline.generation): 512 bytes for each of
 # ``--max-reply-events``' default events, more than any token event of an engine we serve.

@@ -20,11 +20,8 @@ from prefixpin.core.defaults import (
     MAX_BODY_CHUNKS,
     MAX_HEAD_BYTES,
     MAX_INTERIM_RESPONSES,
-    MAX_READ_PER_RUN,
-    MAX_RELAYED_HELD,
     MAX_REPLY_BYTES,
     MIN_READ,
-    MIN_READ_PER_RUN,
     TURN_READ_BUDGET,
 )
 
@@ -33,6 +30,10 @@ if TYPE_CHECKING:
 
 EngineName = Literal["auto", "llama-server", "ollama", "embedded"]
 
+
+# The removed compiled relay's switch and bounds (``--compiled-relay``, ``--compiled-read-share``,
+# ``--compiled-hold``): still accepted, with the defaults and bounds they had; they do nothing.
+REMOVED = "; does nothing: the compiled relay was removed, the Python relay does it all"
 
 EMBEDDED = "embedded"  # an upstream value: the in-process engine as one lane among others
 ENV_PREFIX = "PREFIXPIN_"
@@ -128,9 +129,7 @@ class Settings(BaseSettings):
         "it from the start; past them what every client read is folded into the reply's text")
     # What an engine connection may make the proxy hold or wait for (adapters.h1: past
     # them the request fails with a 502, or a 504 for the head's time); the engine bytes
-    # read per turn of the loop by the connections that flood at once, in the Python relay
-    # and in the compiled one (per run); the relayed bytes the compiled relay holds for a
-    # stream before Python takes them into its log.
+    # read per turn of the loop by the connections that flood at once.
     engine_head_bytes: Annotated[int, BYTES] = Field(
         MAX_HEAD_BYTES, ge=1024, description="bytes of an engine's response head (status "
         "line and headers); past them the request fails")
@@ -145,12 +144,10 @@ class Settings(BaseSettings):
         "by the connections that flood at once, split between them, at least "
         f"{MIN_READ >> 10} KiB each")
     compiled_read_share: Annotated[int, BYTES] = Field(
-        MAX_READ_PER_RUN, ge=MIN_READ_PER_RUN, description="the same, per run of the "
-        "compiled relay, each flood in turn; a stream that is not flooding reads "
-        f"{MIN_READ_PER_RUN >> 10} KiB besides")
+        16 * 1024, ge=4096, description="engine bytes per run of the compiled relay" + REMOVED)
     compiled_hold_bytes: Annotated[int, Flag("--compiled-hold", unit="bytes")] = Field(
-        MAX_RELAYED_HELD, ge=4096, description="relayed bytes the compiled relay keeps for a "
-        "stream before delivering them to its log; the relay keeps the stream")
+        64 * 1024, ge=4096, description="relayed bytes the compiled relay kept for a stream"
+        + REMOVED)
     # Each listener's connections, and the time a request's head and body may take
     # (proxy.listen.http_limits: past them a 503 or a 408, and the connection closed).
     max_connections: Annotated[int, Flag()] = Field(
@@ -166,9 +163,7 @@ class Settings(BaseSettings):
         "(Transfer-Encoding: chunked); past them a 413 and close")
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: Annotated[bool, Flag()] = Field(
-        True, description="relay streamed token events between the engine's socket and the "
-        "client's in compiled code (core/_relay.c, built on Linux by the install; without "
-        "it, or with --no-compiled-relay, the Python relay does it all)")
+        True, description="relay streamed token events in compiled code" + REMOVED)
     # Fixed glibc malloc thresholds (proxy.listen.allocator).
     keep_large_buffers: Annotated[bool, Flag()] = Field(
         True, description="keep the memory of large buffers (socket reads, request bodies) "

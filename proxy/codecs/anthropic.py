@@ -285,9 +285,6 @@ class AnthropicStream:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
-    def passes_tokens(self) -> bool:
-        return False  # (``StreamEncoder``): its chunks are translated
-
     __slots__ = ("_client", "_ended", "_fill_cached", "_finish", "_generation", "_next",
                  "_started", "_stop_sequence", "_text", "_thinking", "_tools")
 

@@ -34,12 +34,6 @@ class StreamEncoder(Protocol):
     # new chunk as it is, without ``encode`` (``proxy.pipeline.relay.LiveStream``).
     raw_chunks: bool
 
-    def passes_tokens(self) -> bool:
-        """Whether a plain token chunk (an output chunk of one text delta, no finish)
-        encodes now as its own bytes and changes nothing the encoder holds: the compiled
-        relay (``core.compiled_relay``) may then write such chunks without the encoder."""
-        ...
-
     def encode(self, frames: Sequence[Frame]) -> bytes:
         """The bytes for these frames, in order; ``b""`` when none is for this client."""
         ...

@@ -121,9 +121,6 @@ class NativeView:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
-    def passes_tokens(self) -> bool:
-        return False  # (``StreamEncoder``): its chunks are translated
-
     def __init__(self, client: ClientRequest) -> None:
         self._progress = client.wants_progress
         self._fields = response_fields(client.body)

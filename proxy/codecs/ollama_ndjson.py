@@ -50,9 +50,6 @@ class OllamaCodec:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
-    def passes_tokens(self) -> bool:
-        return False  # (``StreamEncoder``): its chunks are translated
-
     api: Api = "ollama"
     engine_api: Api = "ollama"
     media_type = NDJSON_MEDIA_TYPE

@@ -109,11 +109,6 @@ class ClientView:
         # ``encode`` writes its chunks as their bytes, on this flag, which the relay reads.
         self.raw_chunks = self._wants_usage
 
-    def passes_tokens(self) -> bool:
-        # A plain token is its own bytes for every client; only a finish is held back
-        # (for a client without usage), and nothing may pass one that is.
-        return self._held is None
-
     def encode(self, frames: Sequence[Frame]) -> bytes:
         # The common frame, an output chunk of a client that asked for usage (nothing is
         # ever held back for it), is its own bytes; the rest takes ``bytes_for``.

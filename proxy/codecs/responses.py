@@ -240,9 +240,6 @@ class ResponsesStream:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
-    def passes_tokens(self) -> bool:
-        return False  # (``StreamEncoder``): its chunks are translated
-
     def __init__(self, client: ClientRequest, generation: Generation, *,
                  fill_cached: bool = True) -> None:
         self._client = client

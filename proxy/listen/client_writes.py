@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefixpin.core.compiled_relay import CompiledRelay
 from prefixpin.proxy.listen.uvicorn_seam import ResponseCycle
 
 # The longest a byte is kept when the turn goes on (checked as other connections write):
@@ -46,9 +45,6 @@ HOLD_S = 0.002
 # protocol of ``proxy.listen.http_limits``; absent elsewhere: h11, another server, tests' ASGI
 # transports).
 BODY_WRITER = "prefixpin.body_writer"
-# The scope extension holding a request's ``RelayClient`` (beside ``BODY_WRITER``, where the
-# server runs the compiled relay: ``proxy.listen.http_limits``).
-RELAY_CLIENT = "prefixpin.relay_client"
 
 
 class WriteBatch:
@@ -217,36 +213,3 @@ def _writable_now(cycle: ResponseCycle) -> bool:
     high-water mark: a body chunk may be written to the transport without ``send``."""
     return (cycle.chunked_encoding is True and not cycle.response_complete
             and not cycle.disconnected and not cycle.flow.write_paused)
-
-
-class RelayClient:
-    """A streamed response's client socket, for the compiled relay (``core.compiled_relay``), which
-    writes a stream's token events to the socket itself: ``socket()`` is its descriptor
-    once every byte written so far has left (this turn's kept bytes flushed first), or
-    None when the compiled relay must not write (the response not chunked, complete, the client
-    gone, the socket not draining, no socket); ``write_framed`` writes chunk-framed body
-    bytes the compiled relay gave back unwritten, before anything newer."""
-
-    __slots__ = ("_cycle", "relay")
-
-    def __init__(self, cycle: ResponseCycle, relay: CompiledRelay) -> None:
-        self._cycle = cycle
-        self.relay = relay
-
-    def socket(self) -> int | None:
-        cycle = self._cycle
-        if not _writable_now(cycle):
-            return None
-        transport = cycle.transport
-        if not isinstance(transport, BatchedTransport) or transport.is_closing():
-            return None
-        transport.flush()
-        if transport.get_write_buffer_size():
-            return None  # bytes queued in the transport: the relay's would overtake them
-        sock = transport.get_extra_info("socket")
-        return None if sock is None else int(sock.fileno())
-
-    def write_framed(self, framed: bytes) -> None:
-        cycle = self._cycle
-        if not (cycle.response_complete or cycle.disconnected):
-            cycle.transport.write(framed)

@@ -24,15 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixpin.core import compiled_relay as relay_core
 from prefixpin.core.defaults import MAX_BODY_CHUNKS
 from prefixpin.core.errors import openai_error
 from prefixpin.proxy.listen.client_writes import (
     BODY_WRITER,
-    RELAY_CLIENT,
     BatchedTransport,
     ChunkedBodyWriter,
-    RelayClient,
     WriteBatch,
 )
 
@@ -51,46 +48,22 @@ class ConnectionLimits:
     head_timeout_s: float = 30.0  # request line and headers, from the first byte
     body_timeout_s: float = 300.0  # the whole body, from the end of the head
     max_body_chunks: int = MAX_BODY_CHUNKS
-    # The compiled relay's (core.compiled_relay): engine bytes one run reads, the flooding
-    # streams together, and the relayed bytes it keeps for a stream before delivering them.
-    relay_read_share: int = relay_core.MAX_READ_PER_RUN
-    relay_hold_bytes: int = relay_core.MAX_RELAYED_HELD
     # Told the limit each refusal hit (connections, head_timeout, body_timeout, head_size,
     # body_chunks): the metrics'.
     refused: Callable[[str], None] | None = None
 
 
-def http_options(*, compiled_relay: bool = False,
-                 limits: ConnectionLimits | None = None) -> dict[str, Any]:
+def http_options(*, limits: ConnectionLimits | None = None) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that put these limits in place, and no
     ``X-Forwarded-*`` rewriting of the client's address and scheme: nothing here reads
     either, and uvicorn's middleware for it is one more frame every streamed event's
-    write resumes through. ``compiled_relay``: the server runs the compiled relay
-    (``core.compiled_relay``) where it is built: each request's scope then carries its
-    ``RelayClient``."""
+    write resumes through."""
     try:
-        return {"http": _bounded_httptools_protocol(
-            compiled_relay and relay_core.available(), limits or ConnectionLimits()),
+        return {"http": _bounded_httptools_protocol(limits or ConnectionLimits()),
                 "proxy_headers": False}
     except ImportError:
         return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
                 "proxy_headers": False}
-
-
-def compiled_relay_of(http: object) -> relay_core.CompiledRelay | None:
-    """The compiled relay that servers given ``http`` (``http_options()["http"]``) hand
-    streams to, with its counts (``adopted``, ``relayed``, ``held``): None where they run
-    without it (off, not built, h11) or before its first request; read on its loop, or
-    after the servers stopped."""
-    relay = http.compiled_relay if isinstance(http, type) and issubclass(
-        http, RelayingProtocol) else None
-    return relay if isinstance(relay, relay_core.CompiledRelay) else None
-
-
-class RelayingProtocol:
-    """What the tenant listener's protocol class offers of its server's compiled relay."""
-
-    compiled_relay: relay_core.CompiledRelay | None = None  # this server's, on its loop
 
 
 def error_bytes(status: int, reason: str, message: str, code: str) -> bytes:
@@ -125,10 +98,10 @@ def _without_next_warning(logger: logging.Logger) -> logging.Logger:
     return quiet
 
 
-def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) -> type[Any]:
+def _bounded_httptools_protocol(limits: ConnectionLimits) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol, RelayingProtocol):
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """Counts the bytes of each request head (request line and headers) as they
         arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed. Its
         writes go out once per turn of the loop, and each request's scope carries a
@@ -231,17 +204,6 @@ def _bounded_httptools_protocol(compiled_relay: bool, limits: ConnectionLimits) 
                 self._kept_alive, cycle.keep_alive = cycle.keep_alive, False
                 extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
                 extensions[BODY_WRITER] = ChunkedBodyWriter(cycle).write
-                if compiled_relay:
-                    extensions[RELAY_CLIENT] = RelayClient(cycle, self._relay())
-
-        def _relay(self) -> relay_core.CompiledRelay:
-            cls = type(self)
-            current = cls.compiled_relay
-            if current is None or current.loop is not self.loop:
-                current = cls.compiled_relay = relay_core.CompiledRelay(
-                    self.loop, read_per_run=limits.relay_read_share,
-                    hold_bytes=limits.relay_hold_bytes)
-            return current
 
         def on_message_complete(self) -> None:
             self._disarm()  # between requests uvicorn's keep-alive timeout applies

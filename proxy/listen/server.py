@@ -21,7 +21,6 @@ from types import FrameType
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS, ServerState
 
-from prefixpin.core import compiled_relay
 from prefixpin.proxy.listen.accepting import AcceptDrain
 from prefixpin.proxy.listen.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
 from prefixpin.proxy.listen.app import create_apps
@@ -49,13 +48,8 @@ def serve(settings: Settings) -> int:
                   mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
     # About half of the relay's CPU is the interpreter's: which build runs it is worth a line.
     log_event(get_logger(), logging.INFO, "interpreter", **interpreter_build().fields())
-    if settings.compiled_relay and not compiled_relay.available():
-        log_event(get_logger(), logging.WARNING, "compiled relay not built",
-                  hint="the Python relay does it all, at about 1.3x the CPU per event: "
-                       "reinstall with a C compiler and Python's headers")
-    else:
-        log_event(get_logger(), logging.INFO, "compiled relay",
-                  on=settings.compiled_relay)
+    # The compiled relay was removed (the Python relay does it all); its line stays, off.
+    log_event(get_logger(), logging.INFO, "compiled relay", on=False)
     if settings.embedded():
         try:
             settings = _with_embedded_model(settings)
@@ -72,8 +66,6 @@ def serve(settings: Settings) -> int:
     limits = ConnectionLimits(
         max_connections=settings.max_connections, head_timeout_s=settings.head_timeout_s,
         body_timeout_s=settings.body_timeout_s, max_body_chunks=settings.max_body_chunks,
-        relay_read_share=settings.compiled_read_share,
-        relay_hold_bytes=settings.compiled_hold_bytes,
         refused=lambda limit: metrics.limit_refusals.labels(limit).inc())
     # A streamed answer listens for http.disconnect while it streams (core.streaming): a
     # client that leaves cancels the relay at once.
@@ -84,7 +76,7 @@ def serve(settings: Settings) -> int:
     tenant = _Leader(operator, uvicorn.Config(
         apps.tenant_listener, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, timeout_graceful_shutdown=5, lifespan="on",
-        **http_options(compiled_relay=settings.compiled_relay, limits=limits)))
+        **http_options(limits=limits)))
     # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
     # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
     # traceback on the user's terminal.
@@ -271,13 +263,12 @@ async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
     while new ones come, under a flood), the count stays low while the young objects
     pile up to tens of thousands, and their collection, when it comes, holds the loop
     for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
-    millisecond's pause. Once the process (the loop, and the compiled relay's thread) has
-    been all but idle for ``idle_ticks`` ticks in a row (waiting on a long prefill, or on
-    nothing), it cannot be piling objects up: the next tick waits ``idle_every_s``, or
-    less if objects pile up (``until_objects_pile``), since a wake-up costs more than the
-    collection (0.12-0.15 ms of CPU on a virtual machine), paid for each second a request
-    waits on a long prefill. A flood that starts meanwhile without the count seeing it is
-    found busy by that tick."""
+    millisecond's pause. Once the process has been all but idle for ``idle_ticks`` ticks in
+    a row (waiting on a long prefill, or on nothing), it cannot be piling objects up: the
+    next tick waits ``idle_every_s``, or less if objects pile up (``until_objects_pile``),
+    since a wake-up costs more than the collection (0.12-0.15 ms of CPU on a virtual
+    machine), paid for each second a request waits on a long prefill. A flood that starts
+    meanwhile without the count seeing it is found busy by that tick."""
     idle, cpu, wall = 0, time.process_time(), time.monotonic()
     while True:
         piling = False

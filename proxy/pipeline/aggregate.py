@@ -55,12 +55,10 @@ measured against its direct non-streamed answers in ``tests/e2e/test_dropin_llam
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from prefixpin.adapters.base import Frame, FrameKind
 from prefixpin.core.figures import may_carry_figures
-
-F = TypeVar("F", bound=Frame)
 
 # Top-level chunk fields a non-streamed answer never has.
 STREAM_ONLY = frozenset({"prompt_progress"})
@@ -166,30 +164,9 @@ def fold_read(frames: Sequence[Frame]) -> list[Frame]:
 def text_chunk(field: str, text: str) -> Frame:
     """An output chunk whose only content is ``text`` in choice 0's delta ``field``: the
     folded run of many (``fold_read``). No client reads its bytes (there are none)."""
-    return _text_delta(Frame, field, text, b"")
-
-
-def _text_delta(kind: type[F], field: str, text: str, raw: bytes) -> F:
-    frame = kind(FrameKind.CHUNK, raw, {"choices": [{"index": 0, "delta": {field: text}}]},
-                 has_output=True, finish=False)
+    frame = Frame(FrameKind.CHUNK, b"", {"choices": [{"index": 0, "delta": {field: text}}]},
+                  has_output=True, finish=False)
     frame.delta_field, frame.delta_text, frame.figured = field, text, False
-    return frame
-
-
-class RelayedRun(Frame):
-    """``count`` token events a relay outside the log (the compiled relay) wrote to its one
-    client, kept as one frame while the log is whole: their bytes as the engine sent them
-    (``raw``: what a client that joins is written, event for event) and their joined text
-    as one chunk's (what the reply folds, as ``text_chunk``'s; no figures)."""
-
-    __slots__ = ("count",)
-
-    count: int
-
-
-def relayed_run(field: str, text: str, raw: bytes, count: int) -> RelayedRun:
-    frame = _text_delta(RelayedRun, field, text, raw)
-    frame.count = count
     return frame
 
 

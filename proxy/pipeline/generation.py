@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 from prefixpin.adapters.base import Frame, FrameKind, Progress, UpstreamStream
 from prefixpin.core.defaults import MAX_REPLY_BYTES
@@ -39,33 +38,9 @@ from prefixpin.core.errors import (
 )
 from prefixpin.core.figures import may_carry_figures
 from prefixpin.proxy.ops.logs import get_logger
-from prefixpin.proxy.pipeline.aggregate import RelayedRun, fold_read, relayed_run, text_chunk
-
-if TYPE_CHECKING:
-    from prefixpin.adapters.base import TokenEvents
-    from prefixpin.adapters.h1 import RelayHandoff
+from prefixpin.proxy.pipeline.aggregate import fold_read
 
 Opener = Callable[["Generation"], AbstractAsyncContextManager[UpstreamStream]]
-
-
-class RelayHold(Protocol):
-    """A taker's hold on the stream's token events while a relay outside the log writes
-    them to its client (``proxy.pipeline.relay.StreamHold``)."""
-
-    def reclaim(self) -> None:
-        """Have the events back now: the ones written so far reach the log
-        (``take_delivered``) before this returns."""
-        ...
-
-
-class StreamTaker(Protocol):
-    """The one client that may take the stream's token events off the log's path
-    (``proxy.pipeline.relay.LiveStream`` where the server runs the compiled relay)."""
-
-    def take_relay(self, handoff: RelayHandoff, shape: TokenEvents) -> RelayHold | None:
-        """Take the engine connection's offer: the hold, or None when this client cannot
-        be written directly now."""
-        ...
 
 
 # Read per frame: globals, not enum lookups.
@@ -114,9 +89,6 @@ class Generation:
         self.reply_kept = True  # the log still folds to the whole reply
         self._keep_whole = False  # someone reads the log by its own index (``keep_whole``)
         self._dropped = 0  # frames folded away
-        # Events the log's relayed runs (``RelayedRun``) hold past one frame each: the
-        # log's events are ``len(frames) + _run_extra``.
-        self._run_extra = 0
         # The log's length at which the next frame is taken the long way (``take_frames``:
         # the reply's bound checked, the log let go of what was read).
         self._check_at = min(keep_events, max_frames)
@@ -142,11 +114,6 @@ class Generation:
         self._grace_handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._done_callbacks: list[Callable[[Generation], None]] = []
-        # Who takes an engine connection's offer of its token events (``relay_to``), and,
-        # while a taker holds them, its hold (the log lacks them till they come back).
-        self._taker: StreamTaker | None = None
-        self._hold: RelayHold | None = None
-        self.delivered_events = 0  # token events a taker wrote past the log (for the log)
 
     @property
     def answered(self) -> bool:
@@ -169,7 +136,6 @@ class Generation:
     def subscribe(self) -> Subscriber:
         if not self.whole:
             raise RuntimeError("a log that let go of its read frames cannot be joined")
-        self.reclaim_relay()  # a client joining reads every frame so far
         self._subscribers += 1
         self._subscribed = True
         if self._grace_handle is not None:
@@ -209,91 +175,9 @@ class Generation:
     def changed(self) -> asyncio.Event:
         """The event set at the next change. Take it *before* re-checking state and awaiting:
         an event looked up lazily (inside a task that starts later) can miss a wake-up."""
-        self.reclaim_relay()  # whoever waits for a change reads the log: complete it first
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
         return self._wakeup
-
-    # ---------------------------------------------------------------- the relay door
-    # (``adapters.base.RelayDoor``: the engine connection's offers come here)
-
-    @property
-    def relay_door(self) -> Generation:
-        return self
-
-    @property
-    def taking(self) -> bool:
-        return self._taker is not None
-
-    def relay_to(self, taker: StreamTaker) -> None:
-        """``taker`` is offered the stream's token events from now on (the last client to
-        ask: a second one never gets an offer while the first listens, see ``offer``)."""
-        self._taker = taker
-
-    def stop_relaying_to(self, taker: StreamTaker) -> None:
-        if self._taker is taker:
-            self._taker = None
-
-    def offer(self, handoff: RelayHandoff, shape: TokenEvents) -> bool:
-        """The engine connection offers its token events (after a read that ended with a
-        token of ``shape``, between two events). Taken only when one client listens and
-        nobody else watches the log (no waiter for a change: a second client, the
-        replicas' tap), by that client's taker."""
-        taker = self._taker
-        if (taker is None or self._hold is not None or self.completed
-                or len(self._listeners) != 1 or self._wakeup is not None
-                or self._subscribers != 1):
-            return False
-        self._hold = taker.take_relay(handoff, shape)
-        return self._hold is not None
-
-    def released(self, hold: RelayHold) -> None:
-        """``hold`` gave the stream back (its events are in the log)."""
-        if self._hold is hold:
-            self._hold = None
-
-    def reclaim_relay(self) -> None:
-        """If a taker holds this generation's token events, have them back now."""
-        if (hold := self._hold) is not None:
-            hold.reclaim()
-
-    def take_delivered(self, shape: TokenEvents, events: bytes, count: int, texts: bytes,
-                       subscriber: Subscriber) -> None:
-        """``count`` token events of ``shape`` a taker already wrote to ``subscriber`` (the
-        one client), as ``events``, into the log: read by nobody else, so no change is
-        announced. While the log is whole they go in as one frame (``RelayedRun``: their
-        bytes for a client that joins, their text for the rest), one chunk of their text
-        once it folds what its clients read (``texts``: their texts' JSON string bodies,
-        joined; nothing, when the reply is no longer kept), and one frame each where
-        figures may be read from them."""
-        log = self.frames
-        if subscriber.position != len(log):
-            raise RuntimeError("the relay's client was behind the log")
-        # Past a bound, written already but not kept: counted, so that what the engine
-        # sends next is refused too, whichever path reads it (the next frame takes the long
-        # way, ``take_frames``, where the bound is checked).
-        if self._dropped + self._run_extra + len(log) + count > self._max_frames:
-            self._dropped += count
-            self._check_at = 0
-            raise self._too_many_events()
-        self._bytes += len(events)
-        if self._bytes > self._max_bytes:
-            raise self._too_many_bytes()
-        if shape.figured is not False:
-            log.extend(shape.frames(events, count))
-        elif self.whole:
-            log.append(relayed_run(shape.field, shape.text(texts), events, count))
-            self._run_extra += count - 1
-            self._check_at -= count - 1  # kept whole for keep_events events, not frames
-        else:
-            text = shape.text(texts)  # (checked, even when not kept)
-            kept = [text_chunk(shape.field, text)] if self.reply_kept else []
-            log.extend(kept)
-            self._dropped += count - len(kept)
-        subscriber.position = len(log)
-        self.delivered_events += count
-        if len(log) >= self._check_at:
-            self._let_go()
 
     def listen(self, listener: Callable[[], None]) -> None:
         """``listener()`` at every change from now on, called by the change itself (in the
@@ -376,7 +260,7 @@ class Generation:
         if self.completed:
             return
         log, timeline = self.frames, self.timeline
-        if self._dropped + self._run_extra + len(log) + len(frames) > self._max_frames:
+        if self._dropped + len(log) + len(frames) > self._max_frames:
             raise self._too_many_events()
         self._bytes += sum(len(frame.raw) for frame in frames)
         if self._bytes > self._max_bytes:
@@ -411,14 +295,11 @@ class Generation:
         move each client's position back by what went. Not while the log is kept whole, a
         client is far behind (a non-streaming one reads at the end: nothing is read
         before) or every client left (a retry may still join in the grace period); tried
-        again after another eighth of ``keep_events`` (events: a relayed run counts its
-        own)."""
+        again after another eighth of ``keep_events``."""
         log, readers = self.frames, self._readers
         step = max(1, self._keep_events // 8)
         read = min((reader.position for reader in readers), default=0)
-        run_extra = self._run_extra and sum(
-            frame.count - 1 for frame in log[:read] if type(frame) is RelayedRun)
-        if not self._keep_whole and read + run_extra >= step:
+        if not self._keep_whole and read >= step:
             folded = fold_read(log[:read]) if self.reply_kept else []
             if not self.reply_kept or len(folded) > step:
                 # Not text (a flood of tool-call deltas): only what figures are read from
@@ -429,11 +310,9 @@ class Generation:
             gone = read - len(folded)
             for reader in readers:
                 reader.position -= gone
-            self._dropped += gone + run_extra
-            self._run_extra -= run_extra
+            self._dropped += gone
             self.whole = False
-        self._check_at = min(len(log) + step,
-                             self._max_frames - self._dropped - self._run_extra)
+        self._check_at = min(len(log) + step, self._max_frames - self._dropped)
 
     def _note(self, frame: Frame) -> None:
         """The progress a frame carries, and when the first progress and output came (the

@@ -22,14 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from prefixpin.adapters.base import FrameKind, Progress, TokenEvents
-from prefixpin.adapters.h1 import RelayHandoff
-from prefixpin.core.compiled_relay import Delivered, GivenBack
+from prefixpin.adapters.base import FrameKind, Progress
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.streaming import StreamResponse, wait_disconnect
 from prefixpin.proxy.codecs import Codec
 from prefixpin.proxy.codecs.openai_sse import ensure_usage as _ensure_usage
-from prefixpin.proxy.listen.client_writes import BODY_WRITER, RELAY_CLIENT, RelayClient
+from prefixpin.proxy.listen.client_writes import BODY_WRITER
 from prefixpin.proxy.pipeline.generation import Generation, Subscriber
 from prefixpin.proxy.pipeline.validation import ClientRequest
 
@@ -132,15 +130,10 @@ class LiveStream(StreamResponse):
         self._quiet_until = 0.0  # the next heartbeat is due then, unless something is sent
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        # The compiled relay (``core.compiled_relay``), where the server runs it: this
-        # client's socket for it, and its hold on this stream's token events, if any.
-        self._relay_client: RelayClient | None = None
-        self._hold: StreamHold | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extensions = scope.get("extensions") or {}
         self._write_body = extensions.get(BODY_WRITER)
-        self._relay_client = extensions.get(RELAY_CLIENT)
         await super().__call__(scope, receive, send)
 
     async def write(self, send: Send) -> None:
@@ -154,17 +147,12 @@ class LiveStream(StreamResponse):
             opening = codec.opening + self._encode.encode(ready) if ready else codec.opening
             await send(_body(opening))
             generation.listen(self._on_change)
-            if self._relay_client is not None and self._write_body is not None:
-                generation.relay_to(self)
             await self._follow(send)
             if tail := self._encode.flush():
                 await send(_body(tail))
             if generation.error is not None and not generation.completed:
                 await send(_body(codec.late_error(generation.error)))
         finally:
-            if self._hold is not None:  # (the client left, or a write failed)
-                self._hold.reclaim()
-            generation.stop_relaying_to(self)
             generation.unlisten(self._on_change)
             if self._timer is not None:
                 self._timer.cancel()
@@ -269,99 +257,11 @@ class LiveStream(StreamResponse):
         self._timer = None
         if not self._asleep:
             return  # awake: the next sleep arms it again
-        # A heartbeat may be due: what the compiled relay wrote since its last delivery may
-        # move the silence's start (a change it brings that wakes the task: _wake is a
-        # no-op). Not due (a delivery moved it), the relay keeps the stream.
-        if self._hold is not None and time.monotonic() >= self._quiet_until - TIMER_SLACK_S:
-            self._hold.reclaim()
         now = time.monotonic()
         if now >= self._quiet_until - TIMER_SLACK_S:
             self._wake(False)
         else:  # something was sent since it was armed: the silence starts later
             self._arm(asyncio.get_running_loop(), self._quiet_until, now)
-
-    def take_relay(self, handoff: RelayHandoff, shape: TokenEvents) -> StreamHold | None:
-        """The engine connection's offer (``Generation.offer``, this stream its taker): the
-        compiled relay takes this stream's token events from now on, if this client is
-        caught up and idle (asleep, nothing pending or failed, every frame of the log
-        written, the encoder passing tokens as their bytes) and its socket can be written
-        directly."""
-        client = self._relay_client
-        if (client is None or self._hold is not None or not self._asleep
-                or self._pending or self._failed is not None
-                or not self._encode.passes_tokens()
-                or self._subscriber.position != len(self._generation.frames)):
-            return None
-        client_fd = client.socket()
-        if client_fd is None:
-            return None
-        try:
-            engine_fd = handoff.fileno
-        except OSError:
-            return None
-        hold = StreamHold(self, client, handoff, shape)
-        handoff.pause()
-        try:
-            client.relay.adopt(engine_fd, client_fd, shape.head, shape.tail, hold)
-        except OSError:
-            handoff.resume(b"", time.monotonic())
-            return None
-        self._hold = hold
-        handoff.reclaim = hold.reclaim
-        return hold
-
-    def relay_delivered(self, hold: StreamHold, delivered: Delivered) -> None:
-        """Tokens the compiled relay wrote to this client while it keeps the stream: into
-        the log, and they move the silence's start."""
-        if self._hold is not hold:
-            return
-        self._generation.take_delivered(hold.shape, delivered.relayed, delivered.count,
-                                        delivered.texts, self._subscriber)
-        self._quiet_until = max(self._quiet_until, delivered.last_write + self._heartbeat_s)
-
-    def relay_gave_back(self, hold: StreamHold, back: GivenBack) -> None:
-        """The compiled relay let this stream go: its relayed tokens into the log (written
-        to this client already), then the client bytes it did not write, then the engine
-        bytes it did not relay, to the connection (what they hold is written as any change
-        is). The handoff is spent: the connection forgets it as it resumes."""
-        if self._hold is not hold:
-            return
-        self._hold = None
-        self._generation.released(hold)
-        try:
-            if back.count:
-                self._generation.take_delivered(hold.shape, back.relayed, back.count,
-                                                back.texts, self._subscriber)
-        finally:
-            if back.unsent:
-                hold.client.write_framed(back.unsent)
-            if back.count:
-                self._quiet_until = max(self._quiet_until, back.last_write + self._heartbeat_s)
-            hold.handoff.resume(back.engine, back.last_read)
-
-
-class StreamHold:
-    """A live stream's token events in the compiled relay: what the stream is adopted
-    with (``core.compiled_relay.Hold``) and the generation's hold on them
-    (``proxy.pipeline.generation.RelayHold``)."""
-
-    __slots__ = ("client", "handoff", "shape", "stream")
-
-    def __init__(self, stream: LiveStream, client: RelayClient, handoff: RelayHandoff,
-                 shape: TokenEvents) -> None:
-        self.stream = stream
-        self.client = client
-        self.handoff = handoff
-        self.shape = shape
-
-    def reclaim(self) -> None:
-        self.client.relay.reclaim(self)
-
-    def given_back(self, back: GivenBack) -> None:
-        self.stream.relay_gave_back(self, back)
-
-    def delivered(self, delivered: Delivered) -> None:
-        self.stream.relay_delivered(self, delivered)
 
 
 def _body(chunk: bytes) -> Message:

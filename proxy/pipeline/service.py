@@ -275,8 +275,6 @@ class ProxyService:
             plan.notes["cached_tokens_estimated"] = estimated
         if figures.load_ms is not None:
             plan.notes["load_ms"] = round(figures.load_ms, 1)
-        if generation.delivered_events:
-            plan.notes["compiled_relay_events"] = generation.delivered_events
         if figures.prompt_tokens is not None and outcome == "ok":
             self._observe_cache(self.backend.label, client.api, figures, estimated)
         timeline = generation.timeline

@@ -1,6 +1,6 @@
 """The non-streaming fold, and what is answered before or without a relayed stream, in
-process against the fake engine. Streamed answers through either relay (the Python relay
-and the compiled relay) are ``test_relay_parity.py``'s, served on real sockets."""
+process against the fake engine. Streamed chat answers through the relay are
+``test_relay_served.py``'s, served on real sockets."""
 
 from __future__ import annotations
 
@@ -45,8 +45,7 @@ async def test_non_streaming_clients_get_one_folded_body_with_cached_tokens() ->
 
 
 async def test_completions_endpoint_streams_and_folds() -> None:
-    """/v1/completions works streaming and not. (Its stream is the Python relay's alone:
-    the compiled relay takes chat deltas only, so it is not in ``test_relay_parity.py``.)"""
+    """/v1/completions works streaming and not."""
     async with running_proxy() as (client, _):
         folded = (await client.post("/v1/completions",
                                     json={"prompt": "a b c", "max_tokens": 2})).json()
@@ -125,7 +124,7 @@ async def test_a_folded_answer_ends_with_the_engines_done_not_its_body() -> None
     """A non-streaming client's answer ends at the engine's [DONE]: the end of the engine's
     body (which a busy server may send late) and the slot's release come after, off the
     client's latency. The turn is committed before the client can send its next one. (A
-    streamed answer's: ``test_relay_parity.py``.)"""
+    streamed answer's: ``test_relay_served.py``.)"""
     engine = FakeLlamaServer()
     engine.faults.append("linger")
     async with running_proxy(engine) as (client, _):

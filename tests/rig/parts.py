@@ -57,16 +57,6 @@ def require_llama_cpp() -> None:
                      f"as the README's test command does), then run `{PREPARE}`")
 
 
-def require_compiled_relay() -> None:
-    """The compiled relay's extension (``core._relay``), which the install compiles on Linux."""
-    from prefixpin.core import compiled_relay as lane
-
-    if not lane.available():
-        missing_part("the compiled relay's extension (core._relay)",
-                     "reinstall with a C compiler and Python's headers "
-                     "(`.venv/bin/pip install -e '.[embedded,test]'`)")
-
-
 def prepared(path: Path, part: str) -> Path:
     """``path`` when it exists; under CI a missing one fails the test (the prepare step
     makes it), elsewhere the caller builds or fetches it on demand."""

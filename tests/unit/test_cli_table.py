@@ -16,7 +16,6 @@ import pytest
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
-from prefixpin.core import compiled_relay, defaults
 from prefixpin.proxy.cli import (
     SERVE_FLAGS,
     build_parser,
@@ -312,15 +311,6 @@ def test_values_convert_as_their_fields_are_typed() -> None:
     assert value_type(Literal["a", "b"]) is str
     assert value_type(SecretStr | None) is str
     assert value_type(int | str) is str
-
-
-def test_the_compiled_relay_is_built_with_the_defaults_the_settings_offer() -> None:
-    """core/_relay.c defines its defaults; core.defaults repeats them for the settings (a
-    leaf): where the relay is built, they agree."""
-    assert (compiled_relay.MAX_READ_PER_RUN, compiled_relay.MIN_READ_PER_RUN,
-            compiled_relay.MAX_RELAYED_HELD) == (defaults.MAX_READ_PER_RUN,
-                                                 defaults.MIN_READ_PER_RUN,
-                                                 defaults.MAX_RELAYED_HELD)
 
 
 # ---------------------------------------------------------------- docs/flags.md

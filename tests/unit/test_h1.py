@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from prefixpin.adapters.h1 import (
     HIGH_WATER,
@@ -23,9 +21,7 @@ from prefixpin.adapters.h1 import (
     TURN_READ_BUDGET,
     EngineBounds,
     H1Transport,
-    ReadEnd,
     engine_transport,
-    rest_of_chunk,
 )
 from prefixpin.adapters.http import EngineClient, pushed_body, send_with_stale_retry
 from prefixpin.proxy.settings import Settings
@@ -329,15 +325,10 @@ def test_the_engine_client_keeps_no_cookie() -> None:
 
 
 class ChunkReader:
-    """A ``BodyReader`` that hands each read's bytes to ``on_chunk`` and watches no read."""
-
-    watches_reads = False
+    """A ``BodyReader`` that hands each read's bytes to ``on_chunk``."""
 
     def __init__(self, on_chunk: Callable[[bytes], None]) -> None:
         self.feed = on_chunk
-
-    def read_ended(self, read: ReadEnd) -> None:
-        raise AssertionError("a reader that watches no read is not told of one")
 
 
 async def push_all(http: httpx.AsyncClient, on_chunk: Callable[[bytes], None]) -> None:
@@ -715,108 +706,3 @@ def test_flooding_engines_share_one_read_budget_per_turn_of_the_loop(budget: int
     assert max(settled) <= budget, (max(settled), len(reads))
     assert transport.reads.floods == 0
     assert transport.reads.size == READ_SIZE
-
-
-# -- reads that stop at a chunk's end (the compiled relay's way in) ---------------------------
-
-
-@settings(max_examples=300, deadline=None)
-@given(sizes=st.lists(st.integers(1, 3000), min_size=2, max_size=12), data=st.data())
-def test_the_rest_of_the_chunk_a_read_ended_in_is_read_from_its_size_line(
-        sizes: list[int], data: st.DataObject) -> None:
-    """``rest_of_chunk``: where a read ended inside a chunk whose size line it holds (in its
-    data, or on its CR), the bytes to that chunk's end, CRLF included; 0 where the read
-    does not hold that size line from the chunk before it."""
-    wire = b"".join(chunk(b"d" * size) for size in sizes)
-    index = data.draw(st.integers(1, len(sizes) - 1))  # a chunk after the first
-    start = sum(len(chunk(b"d" * size)) for size in sizes[:index])
-    line = b"%x\r\n" % sizes[index]
-    taken = data.draw(st.integers(0, sizes[index]))
-    cr = data.draw(st.booleans()) and taken == sizes[index]
-    end = start + len(line) + taken + cr
-    chunk_end = start + len(line) + sizes[index] + 2
-    begin = data.draw(st.integers(0, start - 1))  # in an earlier chunk, its CRLF at the latest
-    assert rest_of_chunk(wire[begin:end], taken) == chunk_end - end
-    # A read without the end of the chunk before does not tell (its first bytes might be
-    # the last digits of a size line).
-    assert rest_of_chunk(wire[start:end], taken) == 0
-    assert rest_of_chunk(wire[start + 1:end], taken) == 0
-
-
-def test_a_read_that_ends_in_a_size_line_is_not_at_a_chunk_end() -> None:
-    """The parser calls a chunk's header only once its size line is whole: a read ending
-    in the middle of one follows a chunk's end, but is not at one."""
-    events = [b"data: %d\n\n" % i for i in range(3)]
-    wire = b"".join(chunk(e) for e in events)
-    cut = len(chunk(events[0])) + 1  # the first chunk, and a digit of the next size line
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD)
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        for piece in (wire[:cut], wire[cut:] + b"0\r\n\r\n"):
-            writer.write(piece)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-
-    ends = asyncio.run(pushed_reads(handler))
-    assert [at_end for _, at_end in ends] == [False, True]
-    assert b"".join(read for read, _ in ends) == b"".join(events)
-
-
-def test_a_read_ended_inside_a_chunk_is_followed_by_one_that_stops_at_its_end() -> None:
-    """``align_next_read``: an engine writing faster than it is read (a flood) has its
-    reads end anywhere; asked, the next read stops at the end of the chunk the last one
-    ended in, where the compiled relay can take the stream over."""
-    events = [b"data: {\"i\": %d, \"pad\": \"%s\"}\n\n" % (i, b"x" * (i % 97)) for i in range(1200)]
-    wire = b"".join(chunk(e) for e in events)
-    assert len(wire) > 4 * READ_SIZE
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD + wire + b"0\r\n\r\n")
-        await writer.drain()
-
-    ends = asyncio.run(pushed_reads(handler, align=True))
-    assert b"".join(read for read, _ in ends) == b"".join(events)
-    mid = [i for i, (_, at_end) in enumerate(ends[:-1]) if not at_end]
-    assert mid, "the burst was read in reads that end inside chunks"
-    assert all(ends[i + 1][1] for i in mid)  # each one's next read stopped at a chunk end
-
-
-class ReadWatcher:
-    """A ``BodyReader`` that keeps each read's body bytes and whether it ended at a chunk's
-    end, and asks (``align``) for the next read to stop at one where it did not."""
-
-    watches_reads = True
-
-    def __init__(self, align: bool) -> None:
-        self.align = align
-        self.pending = b""
-        self.ends: list[tuple[bytes, bool]] = []
-
-    def feed(self, body: bytes) -> None:
-        self.pending += body
-
-    def read_ended(self, read: ReadEnd) -> None:
-        self.ends.append((self.pending, read.read_at_chunk_end))
-        self.pending = b""
-        if self.align and not read.read_at_chunk_end:
-            read.align_next_read()
-
-
-async def pushed_reads(handler: Handler, *, align: bool = False) -> list[tuple[bytes, bool]]:
-    watcher = ReadWatcher(align)
-    async with server(handler) as (url, _), client(url) as http:
-        request = http.build_request("POST", "/v1/chat/completions", content=b"{}")
-        response = await http.send(request, stream=True)
-        try:
-            body = pushed_body(response)
-            assert body is not None
-            await body.push(watcher)
-        finally:
-            await response.aclose()
-    if watcher.pending:
-        watcher.ends.append((watcher.pending, True))
-    return watcher.ends

@@ -14,11 +14,9 @@ from typing import Any, cast
 import pytest
 
 from prefixpin.adapters.base import UpstreamStream
-from prefixpin.adapters.openai_sse import TokenShape
-from prefixpin.core.errors import UpstreamProtocolError
 from prefixpin.core.figures import figures_from
 from prefixpin.core.frames import Frame
-from prefixpin.proxy.pipeline.aggregate import RelayedRun, aggregate, assistant_message, fold_read
+from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message, fold_read
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.inflight import joinable
 from tests.unit.chat_stream import DONE, frames_of, sse
@@ -180,91 +178,3 @@ def test_fold_read_joins_runs_of_one_field_and_keeps_the_rest() -> None:
     # (the generation keeps its progress itself), goes
     assert len(folded) == 2 + 3
     assert assistant_message(folded) == assistant_message(frames)
-
-
-async def test_events_the_compiled_relay_delivered_fold_into_a_let_go_log() -> None:
-    """Token events a taker wrote past the log (``take_delivered``) go in as one relayed
-    run while the log is whole (their bytes, their text), as one chunk of their text once
-    it folds, as frames where figures may be read from them, and not at all once only the
-    figures are kept; the reply folds the same either way."""
-    head = b'data: {"choices":[{"index":0,"delta":{"content":"'
-    shape = TokenShape(head, b'"}}]}\n\n', "content", False)
-
-    def delivered(first: int, count: int) -> bytes:
-        return b"".join(head + f"d{i} ".encode() + b'"}}]}\n\n'
-                        for i in range(first, first + count))
-
-    def texts(first: int, count: int) -> bytes:
-        return "".join(f"d{i} " for i in range(first, first + count)).encode()
-
-    generation = Generation(never_opened, grace_s=0, keep_events=KEEP)
-    reader = generation.subscribe()
-    start = reply_frames(2 * KEEP)[:-3]  # no finish yet
-    fed(generation, start, [reader])
-    assert not generation.whole
-    before = len(generation.frames)
-    generation.take_delivered(shape, delivered(0, 500), 500, texts(0, 500), reader)
-    assert len(generation.frames) == before + 1
-    assert reader.position == len(generation.frames)
-    message = assistant_message(generation.frames)
-    assert message is not None
-    assert message["content"].endswith("w511 " + "".join(f"d{i} " for i in range(500)))
-    whole = Generation(never_opened, grace_s=0, keep_events=KEEP)
-    early = whole.subscribe()
-    whole.take_delivered(shape, delivered(0, 3), 3, texts(0, 3), early)
-    (run,) = whole.frames
-    assert isinstance(run, RelayedRun)
-    assert (run.raw, run.count, run.delta_text) == (delivered(0, 3), 3, "d0 d1 d2 ")
-    assert early.position == 1
-    figured = TokenShape(head, b'"}}]}\n\n', "content", None)  # figures may be in them
-    whole.take_delivered(figured, delivered(3, 3), 3, texts(3, 3), early)
-    assert [f.raw for f in whole.frames[1:]] == [head + f"d{i} ".encode() + b'"}}]}\n\n'
-                                                 for i in range(3, 6)]
-    with pytest.raises(UpstreamProtocolError, match="do not split"):
-        whole.take_delivered(figured, delivered(0, 3), 4, texts(0, 3), early)
-    with pytest.raises(UpstreamProtocolError, match="not one JSON string"):
-        generation.take_delivered(shape, delivered(0, 3), 3, b'd0 "', reader)
-
-
-def token(text: str) -> Frame:
-    """A streamed token's frame, as the adapter makes it."""
-    (frame,) = frames_of(chunk({"content": text}))
-    return frame
-
-
-async def test_relayed_runs_count_their_events_for_the_whole_log_and_the_bound() -> None:
-    """A relayed run is one frame of many events: the log is kept whole for
-    ``keep_events`` events, not frames, then folds them (a client's position moves back by
-    the frames that went); ``--max-reply-events`` counts every event the runs hold."""
-    head = b'data: {"choices":[{"index":0,"delta":{"content":"'
-    shape = TokenShape(head, b'"}}]}\n\n', "content", False)
-
-    def deliver(generation: Generation, reader: Any, first: int, count: int) -> None:
-        events = b"".join(head + f"d{i} ".encode() + b'"}}]}\n\n'
-                          for i in range(first, first + count))
-        text = "".join(f"d{i} " for i in range(first, first + count)).encode()
-        generation.take_delivered(shape, events, count, text, reader)
-
-    generation = Generation(never_opened, grace_s=0, keep_events=KEEP)
-    reader = generation.subscribe()
-    deliver(generation, reader, 0, KEEP - 50)
-    assert (generation.whole, len(generation.frames)) == (True, 1)
-    deliver(generation, reader, KEEP - 50, 100)  # past KEEP events in two frames
-    assert not generation.whole
-    assert reader.position == len(generation.frames) == 1  # folded into one text chunk
-    assert not any(isinstance(f, RelayedRun) for f in generation.frames)
-    message = assistant_message(generation.frames)
-    assert message is not None
-    assert message["content"] == "".join(f"d{i} " for i in range(KEEP + 50))
-    bounded = Generation(never_opened, grace_s=0, keep_events=4 * KEEP, max_frames=2 * KEEP)
-    first = bounded.subscribe()
-    bounded.take_frames([token("first")])  # the first output came through Python
-    first.take_ready(1)
-    deliver(bounded, first, 0, 2 * KEEP - 10)
-    assert bounded.whole
-    with pytest.raises(UpstreamProtocolError, match="--max-reply-events"):
-        deliver(bounded, first, 2 * KEEP - 10, 20)
-    # Refused once, refused on either path: the next token read by Python is refused too,
-    # not taken by the log's shortcut for a streamed token.
-    with pytest.raises(UpstreamProtocolError, match="--max-reply-events"):
-        bounded.take_frame(token("late"))

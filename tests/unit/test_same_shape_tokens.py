@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 import prefixpin.adapters.openai_sse as openai_sse
 from prefixpin.adapters.openai_sse import SameShapeTokens, classify_whole
-from prefixpin.core.errors import UpstreamProtocolError
 from prefixpin.core.frames import Frame
 
 # A llama-server chat stream's envelope, as a real one sends it (llama.cpp at the pinned
@@ -219,23 +218,3 @@ def test_any_text_or_bytes_between_get_classify_wholes_frame(texts: list[str],
     reads += [token(t) for t in texts]
     reads += [around(b) for b in raw]
     assert_same_frames(reads)
-
-
-
-@settings(max_examples=300, deadline=None)
-@given(texts=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=12),
-       ascii_only=st.booleans())
-def test_a_shapes_text_decodes_the_joined_bodies_of_its_events_texts(
-        texts: list[str], ascii_only: bool) -> None:
-    """``TokenShape.text``: the texts' JSON string bodies, joined as the compiled relay
-    hands them over, are one JSON string's body, decoded once (escapes and all)."""
-    shape = openai_sse.TokenShape(b'data: {"c":"', b'"}\n\n', "content", False)
-    bodies = b"".join(json.dumps(t, ensure_ascii=ascii_only)[1:-1].encode() for t in texts)
-    assert shape.text(bodies) == "".join(texts)
-
-
-@pytest.mark.parametrize("texts", [b'a"b', b"a\\", b"\\q", b"a\nb"])
-def test_a_shapes_text_refuses_bodies_that_are_not_one_json_string(texts: bytes) -> None:
-    shape = openai_sse.TokenShape(b'data: {"c":"', b'"}\n\n', "content", False)
-    with pytest.raises(UpstreamProtocolError, match="not one JSON string"):
-        shape.text(texts)
