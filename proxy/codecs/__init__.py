@@ -6,8 +6,9 @@ nothing else (``proxy.codecs.base.Codec``):
 - ``parse``: the body as a ``ClientRequest``, or the ``ClientError`` naming the field;
 - the streamed answer: ``media_type``, ``headers``, ``opening`` (the first bytes, sent
   with the headers), ``stream`` (the per-client encoder of the engine's frames, with
-  ``flush`` for what it held back), ``heartbeat`` (the keep-alive after silence: an SSE
-  comment, an NDJSON leading space) and ``late_error`` (the error after the headers);
+  ``flush`` for what it held back, and ``heartbeat``, the keep-alive after silence where
+  that client's stream is: an SSE comment, an NDJSON leading space, Anthropic's ``ping``
+  once ``message_start`` went out) and ``late_error`` (the error after the headers);
 - ``whole``: the one body of a ``stream: false`` client, usage filled in;
 - ``error_response``: the error before any byte, in this format's shape;
 - where usage and cached tokens live, and their filling from the engine's figures (inside

@@ -7,16 +7,17 @@ converts it when it serves ``/v1/messages`` itself (``anthropic_convert.convert_
 so identity, repair, fingerprints, pinning, parking and join work unchanged on
 ``body["messages"]``; the engine is asked on ``/v1/chat/completions``.
 
-Streamed: the headers and a ``: prefixpin`` comment at once, Anthropic's own keep-alive
-(``event: ping``) while the engine is silent, and the engine's chat chunks as the events
-llama-server writes for ``/v1/messages`` (``to_json_anthropic_stream`` and the partial
-``to_json_anthropic``, ``format_anthropic_sse``): ``message_start`` at the first chunk
-(usage from the engine's prompt progress), ``content_block_start``/``_delta`` for thinking,
-text and tool_use blocks (a tool_use block starts with ``"input": {}``, as Anthropic's
-own do), numbered as they first appear (thinking comes first: 0, then text, then one
-per tool call, as llama-server numbers them); at the end, every block closed in that
-order (a thinking block after an empty ``signature_delta``), then ``message_delta`` (stop
-reason and ``stop_sequence``, the usage from the engine's usage chunk) and
+Streamed: the headers and a ``: prefixpin`` comment at once, while the engine is silent a
+keep-alive (an SSE comment with the progress before ``message_start``, which comes first in
+every Anthropic stream; Anthropic's own ``event: ping`` after it), and the engine's chat
+chunks as the events llama-server writes for ``/v1/messages`` (``to_json_anthropic_stream``
+and the partial ``to_json_anthropic``, ``format_anthropic_sse``): ``message_start`` at the
+first chunk (usage from the engine's prompt progress), ``content_block_start``/``_delta``
+for thinking, text and tool_use blocks (a tool_use block starts with ``"input": {}``, as
+Anthropic's own do), numbered as they first appear (thinking comes first: 0, then text,
+then one per tool call, as llama-server numbers them); at the end, every block closed in
+that order (a thinking block after an empty ``signature_delta``), then ``message_delta``
+(stop reason and ``stop_sequence``, the usage from the engine's usage chunk) and
 ``message_stop``. llama-server keeps every block open until the end; so does this. If the
 engine fails after the headers went out: an Anthropic ``event: error`` (its type by the
 error's status: ``api_error`` for an engine failure) and a clean end of stream, no
@@ -49,6 +50,7 @@ from starlette.responses import JSONResponse, Response
 from prefixpin.core.errors import BadRequestError, ProxyError
 from prefixpin.core.figures import Figures, count_of, figures_from, mapping_of
 from prefixpin.core.frames import Frame, FrameKind
+from prefixpin.core.sse import encode_comment
 from prefixpin.proxy.codecs.anthropic_convert import (
     answer_blocks,
     check_request,
@@ -119,7 +121,7 @@ class AnthropicCodec:
         return AnthropicStream(client, generation, fill_cached=fill_cached)
 
     def heartbeat(self, text: str) -> bytes:
-        return PING
+        return PING  # once the stream has begun (``AnthropicStream.heartbeat``)
 
     def late_error(self, exc: ProxyError) -> bytes:
         return _ERROR + orjson.dumps(error_body(exc)) + _END
@@ -284,6 +286,12 @@ class AnthropicStream:
     """
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
+
+    def heartbeat(self, text: str) -> bytes:
+        """Anthropic's ``ping`` once ``message_start`` went out; before it (a queued or
+        prefilling request) an SSE comment, as the opening is: an Anthropic stream never
+        has an event before ``message_start``, and a client may hold it to that."""
+        return PING if self._started else encode_comment(text)
 
     __slots__ = ("_client", "_ended", "_fill_cached", "_finish", "_generation", "_next",
                  "_started", "_stop_sequence", "_text", "_thinking", "_tools")

@@ -42,6 +42,13 @@ class StreamEncoder(Protocol):
         """What is still held back when the generation ends (before any late error)."""
         ...
 
+    def heartbeat(self, text: str) -> bytes:
+        """The keep-alive this client gets after ``--heartbeat`` seconds of silence, where
+        its stream is now: the codec's (``Codec.heartbeat``), unless the format allows that
+        one only past some event (Anthropic's ``ping`` only after ``message_start``: an SSE
+        comment before it). ``text`` says what the proxy is waiting for."""
+        ...
+
 
 class Codec(Protocol):
     """One client wire format: its parser, its streamed and whole answers, its error shape,
@@ -77,7 +84,9 @@ class Codec(Protocol):
 
     def heartbeat(self, text: str) -> bytes:
         """A keep-alive after ``--heartbeat`` seconds of silence, that every client of this
-        format skips; ``text`` says what the proxy is waiting for (a codec may drop it)."""
+        format skips once its stream has begun (what a client is sent is its encoder's:
+        ``StreamEncoder.heartbeat``); ``text`` says what the proxy is waiting for (a codec
+        may drop it)."""
         ...
 
     def late_error(self, exc: ProxyError) -> bytes:

@@ -121,6 +121,9 @@ class NativeView:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
+    def heartbeat(self, text: str) -> bytes:
+        return encode_comment(text)  # anywhere in the stream
+
     def __init__(self, client: ClientRequest) -> None:
         self._progress = client.wants_progress
         self._fields = response_fields(client.body)

@@ -109,6 +109,9 @@ class ClientView:
         # ``encode`` writes its chunks as their bytes, on this flag, which the relay reads.
         self.raw_chunks = self._wants_usage
 
+    def heartbeat(self, text: str) -> bytes:
+        return encode_comment(text)  # anywhere in the stream
+
     def encode(self, frames: Sequence[Frame]) -> bytes:
         # The common frame, an output chunk of a client that asked for usage (nothing is
         # ever held back for it), is its own bytes; the rest takes ``bytes_for``.

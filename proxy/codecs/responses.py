@@ -240,6 +240,9 @@ class ResponsesStream:
 
     raw_chunks = False  # (``StreamEncoder``): not every chunk as its own bytes
 
+    def heartbeat(self, text: str) -> bytes:
+        return encode_comment(text)  # anywhere in the stream
+
     def __init__(self, client: ClientRequest, generation: Generation, *,
                  fill_cached: bool = True) -> None:
         self._client = client

@@ -178,8 +178,8 @@ class LiveStream(StreamResponse):
                 return
             if not await self._sleep():
                 self._on_heartbeat()
-                await send(_body(self._codec.heartbeat(heartbeat_text(generation.progress,
-                                                                      generation))))
+                await send(_body(self._encode.heartbeat(heartbeat_text(generation.progress,
+                                                                       generation))))
                 self._quiet_until = monotonic() + self._heartbeat_s
 
     def _on_change(self) -> None:

@@ -106,7 +106,9 @@ def test_the_answer_through_the_proxy_is_llama_servers_own(
     client(llama.url).messages.create(**body)  # warm: every answer below reads the cache
     direct_whole = client(llama.url).messages.create(**body)
     direct_stream = streamed(llama.url, body)
-    with run_proxy() as url:
+    # Heartbeats every 10 ms: every silence of the engine (before its first chunk, between
+    # tokens) gets the proxy's keep-alives on every run, as a loaded machine's 2 s do.
+    with run_proxy(heartbeat_s=0.01) as url:
         via_whole = client(url).messages.create(**body)
         via_stream = streamed(url, body)
         via_events = raw_events(url, body)
@@ -122,7 +124,8 @@ def test_the_answer_through_the_proxy_is_llama_servers_own(
         assert via.id != direct.id
         assert [b.type for b in via.content] == [b.type for b in direct.content] == ["text"]
     # the proxy's own keep-alives (``ping`` after --heartbeat s of engine silence, as on a
-    # loaded machine) are the only events it may add
+    # loaded machine) are the only events it may add, and never before message_start (SSE
+    # comments keep a stream alive until then)
     assert [e for e in via_events if e != "ping"] == direct_events
     assert via_events[0] == "message_start"
     assert via_events[-2:] == ["message_delta", "message_stop"]

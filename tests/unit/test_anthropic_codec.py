@@ -135,14 +135,16 @@ def converted(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def live_stream(raw: bytes, *, fill_cached: bool = True, batch: int = 1,
-                client: ClientRequest | None = None) -> bytes:
+                client: ClientRequest | None = None, beats: int = 0) -> bytes:
     """What a streaming client receives: the opening, then the frames encoded as they come
-    (the generation's frame log growing as the engine sends them), then the flush."""
+    (the generation's frame log growing as the engine sends them), then the flush;
+    ``beats``: the stream's heartbeats (``prefill 10/100 cached 0``) before each batch."""
     gen = generation(completed=False)
     encoder = CODEC.stream(client or parse(USER), gen, fill_cached=fill_cached)
     frames = frames_of(raw)
     out = [CODEC.opening]
     for at in range(0, len(frames), batch):
+        out += [encoder.heartbeat("prefill 10/100 cached 0")] * beats
         part = frames[at:at + batch]
         gen.frames += part
         gen.progress = next((f.progress for f in reversed(gen.frames) if f.progress), None)
@@ -739,6 +741,10 @@ def test_progress_and_pings_make_no_bytes() -> None:
 
 
 def test_the_opening_and_heartbeats_are_skipped_by_the_sdk() -> None:
+    """The heartbeat is the stream's own: before ``message_start`` (a queued or prefilling
+    request) an SSE comment with the progress, as the opening is, never an event (an
+    Anthropic stream opens with ``message_start``); after it, Anthropic's ``ping``. The
+    SDK reads the same events and message with them as without."""
     assert CODEC.opening == b": prefixpin\n\n"
     assert CODEC.heartbeat("prefill 10/100 cached 0") == PING == (
         b'event: ping\ndata: {"type": "ping"}\n\n')
@@ -746,12 +752,16 @@ def test_the_opening_and_heartbeats_are_skipped_by_the_sdk() -> None:
     assert CODEC.headers["Cache-Control"] == "no-cache"
     raw = live_stream(RECORDED)
     assert raw.startswith(CODEC.opening)
-    # A heartbeat before the first event (a queued or prefilling request) and between any two.
-    events = raw.removeprefix(CODEC.opening).split(b"\n\n")[:-1]
-    with_pings = CODEC.opening + PING + PING + b"".join(e + b"\n\n" + PING for e in events)
-    assert with_pings.count(PING) == len(events) + 2
-    assert sdk_final(with_pings) == sdk_final(raw)
-    assert [e.type for e in sdk_stream_events(with_pings)] == [
+    beating = live_stream(RECORDED, beats=2)  # two heartbeats before each frame's bytes
+    start = beating.index(b"event: message_start\n")
+    before = beating[:start].removeprefix(CODEC.opening)  # (the progress frames' beats)
+    assert before == b": prefill 10/100 cached 0\n\n" * (before.count(b"\n\n"))
+    assert before.count(b"\n\n") >= 2
+    assert beating[start:].count(PING) >= 10
+    assert beating.replace(PING, b"").replace(
+        b": prefill 10/100 cached 0\n\n", b"") == raw
+    assert sdk_final(beating) == sdk_final(raw)
+    assert [e.type for e in sdk_stream_events(beating)] == [
         e.type for e in sdk_stream_events(raw)]
 
 

@@ -7,6 +7,7 @@ generation or the other clients; heartbeats only after silence."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.types import Message
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.frames import Frame
 from prefixpin.proxy.codecs import codec_of
+from prefixpin.proxy.codecs.anthropic import AnthropicCodec
 from prefixpin.proxy.codecs.openai_sse import ClientView
 from prefixpin.proxy.listen.client_writes import BODY_WRITER
 from prefixpin.proxy.pipeline.generation import Generation
@@ -198,6 +200,37 @@ def test_heartbeats_come_after_silence_only() -> None:
     assert 2 <= silent <= 4
     assert flowing == 0
     assert sent.body.count(b": ") >= silent  # each heartbeat is an SSE comment
+
+
+def test_an_anthropic_stream_keeps_alive_with_comments_until_message_start() -> None:
+    """A heartbeat is the client's stream's own: an Anthropic client waiting for the
+    engine's first chunk (queued, prefilling) hears SSE comments, never a ``ping`` before
+    ``message_start`` (Anthropic's streams open with it); once it went out, ``ping``."""
+    async def run() -> bytes:
+        generation = Generation(opener_of, grace_s=0)
+        client = AnthropicCodec().parse(json.dumps({
+            "model": "m", "max_tokens": 8, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}).encode(), "/v1/messages",
+            max_messages=100)
+        response = LiveStream(codec_of(client), generation.subscribe(), client, 0.02,
+                              lambda: None, True)
+        sent = Client()
+        task = asyncio.create_task(response({"type": "http"}, sent.receive, sent.send))
+        await asyncio.sleep(0.1)  # the engine silent: heartbeats
+        frames = frames_of(STREAM)
+        generation.take_frames(frames[:5])  # progress, role chunks, the first text
+        await asyncio.sleep(0.1)  # silent again, mid-answer
+        for frame in frames[5:]:
+            generation.take_frames([frame])
+        await asyncio.wait_for(task, 5)
+        return sent.body
+
+    body = asyncio.run(run())
+    start = body.index(b"event: message_start\n")
+    waiting = body[:start].split(b"\n\n")[:-1]
+    assert len(waiting) >= 2  # the opening, then heartbeats
+    assert all(part.startswith(b": ") for part in waiting), waiting
+    assert b"event: ping\n" in body[start:]
 
 
 def test_a_client_keeps_one_timer_however_many_writes_and_none_after_the_end(
