@@ -242,6 +242,25 @@ def test_the_records_every_stage_reads_are_a_leaf() -> None:
     assert not [module for module in loaded if graph[module]], loaded
 
 
+def test_no_module_reaches_an_engine_through_its_parts() -> None:
+    """One engine is one object, the lane (``proxy.engine.lane.Lane``): the rest of the
+    product reads its adapter, pool, policies and generations from it, never through the
+    request path it holds (``lane.service.backend.adapter``)."""
+    modules = project_modules()
+    offenders = []
+    for name, path in modules.items():
+        if name == "proxy.engine.lane":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "service"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: .service.{node.attr}")
+    assert not offenders, "\n".join(offenders)
+    lane = ast.parse(modules["proxy.engine.lane"].read_text())
+    assert any(isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+               and node.value.attr == "service" for node in ast.walk(lane))  # (not vacuous)
+
+
 def test_layers() -> None:
     """core, adapters and fingerprint import nothing from the layers they sit below, not
     even lazily or for type checking."""
@@ -309,7 +328,8 @@ def test_the_graph_sees_the_modules_it_must() -> None:
     a type-only import and a lazy one."""
     graph = import_graph()
     assert {name.split(".")[0] for name in graph} == set(PACKAGES)
-    assert "proxy.pipeline.service" in graph["proxy.pipeline.router"]
+    assert "proxy.engine.lane" in graph["proxy.pipeline.router"]
+    assert "proxy.pipeline.service" in graph["proxy.engine.lane"]
     assert "core.errors" in graph["adapters.llama_server"]
     assert "proxy.parking.index" in graph["proxy.parking"]
     assert "proxy.cluster.core" not in graph["proxy.engine.lane"]  # under TYPE_CHECKING

@@ -240,11 +240,11 @@ async def read_engine(lane: Lane, info: EngineInfo, logger: logging.Logger) -> N
 
 
 async def _read_engine(lane: Lane, info: EngineInfo, logger: logging.Logger) -> None:
-    kind = kind_of(lane.service.backend.adapter)
+    kind = kind_of(lane.adapter)
     lane.flags = None
     if kind.local_flags and lane.url is not None:
         lane.flags = await asyncio.to_thread(local_server_flags, lane.url)
-    lane.mid_system_in_place = await refuses_mid_system(lane.service.backend.adapter)
+    lane.mid_system_in_place = await refuses_mid_system(lane.adapter)
     if lane.mid_system_in_place:
         log_event(logger, logging.INFO, "system messages in place", upstream=lane.label,
                   reason="the chat template refuses a system message after the first: each "
@@ -287,8 +287,7 @@ def _shared(ctx: LaneContext, planner: Planner,
 
 async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:
     """Engines that let the proxy choose the slot: affinity, the queue and parking."""
-    settings, logger, service = ctx.settings, ctx.logger, lane.service
-    adapter = service.backend.adapter
+    settings, logger, adapter = ctx.settings, ctx.logger, lane.adapter
     if not adapter.capabilities.slots:
         log_event(logger, logging.INFO, "affinity off", upstream=lane.label,
                   reason=f"{info.engine} does not let the proxy choose slots")
@@ -343,7 +342,7 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
 def anchorer_for(ctx: LaneContext, lane: Lane, limits: EngineLimits) -> Anchorer | None:
     """Anchoring (``proxy.parking.anchor``) where the engine cannot roll a slot back over
     a re-rendered reply: a recurrent/hybrid model; said at start."""
-    adapter = lane.service.backend.adapter
+    adapter = lane.adapter
     if not limits.exact_extension_only or not adapter.capabilities.render:
         return None
     if not ctx.settings.anchor:
@@ -364,7 +363,7 @@ def openings_for(ctx: LaneContext, lane: Lane, limits: EngineLimits,
                  parking: ParkManager | None) -> Openings | None:
     """Openings (``proxy.parking.openings``) need the engine's save directory (parking) and
     its template, and a restore the engine reuses; said at start."""
-    adapter = lane.service.backend.adapter
+    adapter = lane.adapter
     if parking is None or not adapter.capabilities.render:
         return None
     if not ctx.settings.openings:
@@ -385,7 +384,7 @@ def openings_for(ctx: LaneContext, lane: Lane, limits: EngineLimits,
 async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> None:
     """Sessions, repair, estimates and the model lifecycle in front of Ollama (no slots:
     a pool of none, and no slot is ever leased)."""
-    settings, logger, service = ctx.settings, ctx.logger, lane.service
+    settings, logger = ctx.settings, ctx.logger
     fingerprinter = await load_fingerprinter(settings.tokenizer, info.props, logger)
     inner = AffinityPlanner(ctx.store, SlotPool(0), ctx.metrics, fingerprinter, logger,
                             repairer_for(settings, fingerprinter, logger))
@@ -394,7 +393,7 @@ async def ollama_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> 
     lane.watch.on_lost.append(planner.engine_lost)
     log_event(logger, logging.INFO, "sessions on", upstream=lane.label, engine="ollama",
               slots="chosen by Ollama", implicit=fingerprinter is not None,
-              cached_tokens="measured" if service.backend.adapter.capabilities.measured_cache
+              cached_tokens="measured" if lane.adapter.capabilities.measured_cache
               else "estimated unless Ollama reports them")
 
 

@@ -5,12 +5,22 @@ replicas sharing state in Redis, are the same router with more lanes (``proxy.pi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from starlette.requests import Request
+from starlette.responses import Response
+
+from prefixpin.adapters.base import Adapter, EngineInfo
 from prefixpin.proxy.engine.watch import EngineWatch
-from prefixpin.proxy.pipeline.records import Load
+from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.pipeline.generation import Generation
+from prefixpin.proxy.pipeline.inflight import InFlight
+from prefixpin.proxy.pipeline.records import Backend, Incoming, Load
 from prefixpin.proxy.pipeline.service import LanePolicies, ProxyService
+from prefixpin.proxy.session.placement import SlotPool
+from prefixpin.proxy.settings import Settings
 
 if TYPE_CHECKING:  # the redis package is only needed with --redis
     from prefixpin.proxy.cluster.core import Cluster
@@ -36,6 +46,11 @@ class SharedState:
 
 @dataclass(slots=True)
 class Lane:
+    """One engine, whole: its adapter and what it reported (``backend``), its request path
+    (``service``: the pipeline with the policies its kind switched on), its watch, and what
+    the router reads of it. Built by ``Lane.open``; the rest of the proxy reads the engine
+    through the lane, never through its parts."""
+
     label: str  # host:port of the engine, or "embedded"
     url: str | None  # None: the in-process engine
     service: ProxyService
@@ -54,6 +69,59 @@ class Lane:
     # The engine's chat template refuses a system message after the first position (Qwen3.x):
     # such messages are rendered in place as user turns (``proxy.pipeline.system_turns``).
     mid_system_in_place: bool = False
+
+    @classmethod
+    def open(cls, settings: Settings, metrics: Metrics, logger: logging.Logger, *,
+             label: str, url: str | None, adapter: Adapter, inflight: InFlight,
+             engine_credentials: dict[str, str] | None) -> Lane:
+        """The lane of one engine, built whole: its backend, watch and request path (its
+        policies pass-through until the engine answers and its kind switches them on)."""
+        backend = Backend(label=label, adapter=adapter, engine_credentials=engine_credentials)
+        watch = EngineWatch(backend, metrics, interval_s=settings.health_interval_s,
+                            probe_timeout_s=settings.probe_timeout_s, logger=logger)
+        service = ProxyService(settings, backend, metrics, logger=logger, inflight=inflight,
+                               on_upstream_lost=watch.suspect)
+
+        async def forget_prompts(before: EngineInfo, after: EngineInfo) -> None:
+            service.ledger.forget(label)  # a restarted engine's slots hold nothing
+
+        watch.on_restart.append(forget_prompts)
+        lane = cls(label, url, service, watch)
+        if url is None:  # the embedded engine keeps no prompt cache across slots
+            lane.shared_cache = None
+        else:
+            lane.namespaces = frozenset(settings.upstream_namespaces.get(url, ()))
+        return lane
+
+    @property
+    def backend(self) -> Backend:
+        """The engine's adapter (swapped when a restarted engine is another kind) and
+        what it last reported."""
+        return self.service.backend
+
+    @property
+    def adapter(self) -> Adapter:
+        return self.service.backend.adapter
+
+    @property
+    def policies(self) -> LanePolicies:
+        return self.service.policies
+
+    @property
+    def pool(self) -> SlotPool | None:
+        return self.service.pool
+
+    @property
+    def generations(self) -> set[Generation]:
+        return self.service.generations
+
+    async def handle(self, request: Request, incoming: Incoming) -> Response:
+        return await self.service.handle(request, incoming)
+
+    async def aclose(self) -> None:
+        """The request path's generations, then the engine connection."""
+        await self.service.aclose()
+        await self.adapter.aclose()
 
     @property
     def up(self) -> bool:
@@ -75,29 +143,29 @@ class Lane:
 
     @property
     def parking(self) -> ParkManager | None:
-        return self.service.policies.parking
+        return self.policies.parking
 
     @property
     def anchorer(self) -> Anchorer | None:  # recurrent/hybrid memory: idle slots anchored
-        return self.service.policies.anchorer
+        return self.policies.anchorer
 
     @property
     def openings(self) -> Openings | None:  # new sessions start from their namespace's opening
-        return self.service.policies.openings
+        return self.policies.openings
 
     @property
     def models(self) -> OllamaPlanner | None:  # an engine with a model lifecycle (Ollama)
-        return self.service.policies.models
+        return self.policies.models
 
     @property
     def slots(self) -> int:
-        info = self.service.backend.info
+        info = self.backend.info
         return max(1, info.n_slots) if info is not None else 1
 
     async def load(self) -> Load:
-        if (load_of := self.service.policies.load_of) is not None:  # the shared slot table's
+        if (load_of := self.policies.load_of) is not None:  # the shared slot table's
             return await load_of()
-        pool = self.service.pool
+        pool = self.pool
         if pool is None:
-            return Load(self.slots, len(self.service.generations), 0)
+            return Load(self.slots, len(self.generations), 0)
         return Load(len(pool.entries), pool.busy, pool.waiting)

@@ -282,7 +282,7 @@ def _passthrough(holder: StateHolder, path: str | None, *,
         router = state.router
         if path is None:  # the operator's: as it came
             lane = router.lane_for_passthrough()
-            return await forward(request, lane.service.backend.adapter.http,
+            return await forward(request, lane.adapter.http,
                                  drop_headers=dropped, operator=True)
         # A tenant's: with tenants configured its key checked first (401), and never sent
         # on (the engine gets its own key: ``operator``, prefixpin's credentials); its
@@ -301,7 +301,7 @@ def _passthrough(holder: StateHolder, path: str | None, *,
                     state.metrics.limit_refusals.labels(exc.limit).inc()
                 raise
             lane = router.lane_for_passthrough()
-            return await forward(request, lane.service.backend.adapter.http, content,
+            return await forward(request, lane.adapter.http, content,
                                  path=path,
                                  drop_headers=CREDENTIAL_HEADERS if configured else dropped,
                                  operator=configured)
@@ -343,7 +343,7 @@ def _healthz(holder: StateHolder, *, tenants_port: bool = False) -> Handler:
         healthy = any(u["status"] == "ok" for u in upstreams)
         body = {"status": "ok" if healthy else "degraded",
                 "uptime_s": round(time.time() - state.started),
-                "inflight": sum(len(lane.service.generations) for lane in router.lanes),
+                "inflight": sum(len(lane.generations) for lane in router.lanes),
                 "replica": router.replica, "upstream": upstreams[0], "upstreams": upstreams}
         return JSONResponse(body, status_code=200 if healthy else 503)
 

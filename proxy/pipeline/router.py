@@ -25,7 +25,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prefixpin.adapters.base import Adapter, EngineInfo
+from prefixpin.adapters.base import Adapter
 from prefixpin.core.cpu import crash_advice
 from prefixpin.core.errors import (
     BodiesFullError,
@@ -46,14 +46,13 @@ from prefixpin.proxy.engine.engines import (
 )
 from prefixpin.proxy.engine.lane import Lane, SharedState
 from prefixpin.proxy.engine.ollama import lifecycle
-from prefixpin.proxy.engine.watch import EngineWatch, probe_until_ready
+from prefixpin.proxy.engine.watch import probe_until_ready
 from prefixpin.proxy.listen.isolation import ApiNotServedError, NamespaceNotServedError, refusal
 from prefixpin.proxy.listen.tenants import Tenants
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.pipeline.inflight import InFlight
-from prefixpin.proxy.pipeline.records import Backend, Incoming
-from prefixpin.proxy.pipeline.service import ProxyService
+from prefixpin.proxy.pipeline.records import Incoming
 from prefixpin.proxy.pipeline.shared import SharedStateError
 from prefixpin.proxy.pipeline.system_turns import has_mid_system, in_place
 from prefixpin.proxy.pipeline.validation import BodyBudget, ClientRequest, read_body
@@ -94,7 +93,7 @@ class Router:
         errors included."""
         try:
             lanes = [lane for lane in self.lanes
-                     if codec.engine_api in kind_of(lane.service.backend.adapter).serves]
+                     if codec.engine_api in kind_of(lane.adapter).serves]
             if not lanes:  # never forwarded: see ApiNotServedError
                 raise ApiNotServedError(f"{request.method} {request.url.path}: no engine "
                                         f"behind this port serves the {codec.api} API")
@@ -105,7 +104,7 @@ class Router:
                 # and that this namespace may use: an unload empties every session's cache
                 lanes = self._lanes_for(namespace, client, lanes)
                 lane = next((ln for ln in lanes if ln.up), lanes[0])
-                return await lifecycle(lane.service.backend.adapter.http, lane.models,
+                return await lifecycle(lane.adapter.http, lane.models,
                                        request, client, raw,
                                        engine_key=self.tenants.configured)
             return await self._serve(request, headers, namespace, client, codec, lanes)
@@ -169,7 +168,7 @@ class Router:
                 client, body={**client.body, "messages": in_place(client.body["messages"])})
         incoming = Incoming.of(client, codec, headers, namespace, placement, moved,
                                memo=self.digests)
-        return await lane.service.handle(request, incoming)
+        return await lane.handle(request, incoming)
 
     def _gated(self, lane: Lane) -> bool:
         """Whether ``lane`` serves none of several tenants: its cache crosses slots, and
@@ -223,7 +222,7 @@ class Router:
         return list(await asyncio.gather(*(self._lane_health(lane) for lane in self.lanes)))
 
     async def _lane_health(self, lane: Lane) -> dict[str, Any]:
-        backend = lane.service.backend
+        backend = lane.backend
         entry: dict[str, Any] = {"label": lane.label, "engine": backend.adapter.name}
         found = await lane.watch.check()  # the watch learns what the check learns
         if (fault := backend.adapter.fault()) is not None:
@@ -247,9 +246,9 @@ class Router:
     def sessions_view(self) -> dict[str, Any]:
         backends = []
         for lane in self.lanes:
-            pool = lane.service.pool
+            pool = lane.pool
             backends.append({
-                "upstream": lane.label, "engine": lane.service.backend.adapter.name,
+                "upstream": lane.label, "engine": lane.adapter.name,
                 "up": lane.up,
                 "slots": [{"slot": e.index, "session": e.occupant, "kind": e.kind,
                            "tokens": e.tokens, "busy": e.busy} for e in pool.entries]
@@ -257,7 +256,7 @@ class Router:
                 "parking": lane.parking.parked_view() if lane.parking is not None else None,
                 **self._isolation_view(lane),
             })
-        return {"affinity": any(lane.service.pool is not None for lane in self.lanes),
+        return {"affinity": any(lane.pool is not None for lane in self.lanes),
                 "placement": self.settings.placement if len(self.lanes) > 1 else None,
                 "backends": backends, "slots": backends[0]["slots"],
                 "parking": backends[0]["parking"],
@@ -287,7 +286,7 @@ class Router:
     async def _run_lane(self, lane: Lane) -> None:
         """Probe the lane's engine until it answers, switch on what its kind supports,
         then watch it; a clean exit parks the lane's idle slots."""
-        settings, logger, backend = self.settings, self.log, lane.service.backend
+        settings, logger, backend = self.settings, self.log, lane.backend
 
         async def not_ready() -> None:
             if all(not ln.ready for ln in self.lanes):
@@ -312,15 +311,14 @@ class Router:
             if lane.openings is not None:
                 await lane.openings.aclose()
             if lane.parking is not None:  # a clean shutdown parks idle slots
-                await lane.parking.aclose(lane.service.pool)
+                await lane.parking.aclose(lane.pool)
 
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for lane in self.lanes:
-            await lane.service.aclose()
-            await lane.service.backend.adapter.aclose()
+            await lane.aclose()
         if self.shared is not None:
             await self.inflight.aclose()  # type: ignore[attr-defined]
             await self.shared.cluster.aclose()
@@ -371,7 +369,10 @@ async def open_router(settings: Settings, metrics: Metrics, logger: logging.Logg
     ctx = LaneContext(settings, store, metrics, logger, shared)
     adapters = await _open_adapters(settings, logger, transports or {}, transport,
                                     shared.cluster.replica if shared is not None else None)
-    lanes = [_lane(ctx, label, url, adapter, inflight) for label, url, adapter in adapters]
+    lanes = [Lane.open(settings, ctx.metrics, ctx.logger, label=label, url=url, adapter=adapter,
+                       inflight=inflight,
+                       engine_credentials=engine_credentials(settings, url))
+             for label, url, adapter in adapters]
     problem = _lanes_problem(settings, lanes)
     if problem is not None:
         for _, _, adapter in adapters:
@@ -420,26 +421,4 @@ def engine_credentials(settings: Settings, url: str | None) -> dict[str, str] | 
 def _embedded_label(replica: str | None) -> str:
     """An embedded engine is its own process's: with replicas, each has its own lane."""
     return EMBEDDED if replica is None else f"{EMBEDDED}-{replica}"
-
-
-def _lane(ctx: LaneContext, label: str, url: str | None, adapter: Adapter,
-          inflight: InFlight) -> Lane:
-    settings = ctx.settings
-    backend = Backend(label=label, adapter=adapter,
-                      engine_credentials=engine_credentials(settings, url))
-    watch = EngineWatch(backend, ctx.metrics, interval_s=settings.health_interval_s,
-                        probe_timeout_s=settings.probe_timeout_s, logger=ctx.logger)
-    service = ProxyService(settings, backend, ctx.metrics, logger=ctx.logger,
-                           inflight=inflight, on_upstream_lost=watch.suspect)
-
-    async def forget_prompts(before: EngineInfo, after: EngineInfo) -> None:
-        service.ledger.forget(label)  # a restarted engine's slots hold nothing
-
-    watch.on_restart.append(forget_prompts)
-    lane = Lane(label, url, service, watch)
-    if url is None:  # the embedded engine keeps no prompt cache across slots
-        lane.shared_cache = None
-    else:
-        lane.namespaces = frozenset(settings.upstream_namespaces.get(url, ()))
-    return lane
 
