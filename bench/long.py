@@ -666,7 +666,8 @@ def progress(record: Json) -> None:
           f"msgs {record['messages']:>3} prompt {mine['prompt_tokens'] or 0:>7,} | direct "
           f"ttft {direct['ttft_ms']:>7.0f} ms prefilled {direct['prefilled_tokens']} | "
           f"prefixpin ttft {mine['ttft_ms']:>7.0f} ms prefilled {mine['prefilled_tokens']} "
-          f"cpu first {mine['cpu_to_first_event_ms']} turn {mine['cpu_whole_turn_ms']} ms | "
+          f"cpu first {mine.get('cpu_to_first_event_ms')} "
+          f"turn {mine.get('cpu_whole_turn_ms')} ms | "
           f"idle wait {waited / 1000:.1f} s", file=sys.stderr, flush=True)
 
 
@@ -1024,6 +1025,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--proxy-arg", action="append", default=[],
                         help="one more `prefixpin serve` argument (repeat)")
     parser.add_argument("--label", help="what this run is (e.g. before, after)")
+    parser.add_argument("--no-proxy", action="store_true",
+                        help="both arms direct, to engines A and B: the rig's own difference")
     parser.add_argument("--compare", type=Path, help="another run's result.json to show beside")
     parser.add_argument("--render", type=Path,
                         help="run nothing: write this recorded result.json's report again "
@@ -1068,6 +1071,8 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
             done.chars_per_token = chars_per_token(engine_a.url)
             proxy = Proxy(tree, engine_b.url, tmp / "slots-b", logs / "prefixpin.log",
                           list(args.proxy_arg))
+            if args.no_proxy:
+                return play_both_direct(args, done, (engine_a.url, engine_b.url))
             done.proxy_argv = proxy.argv()
             replica = proxy.start()
             arms = [Arm("direct", client(engine_a.url),
@@ -1099,6 +1104,28 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
                 # The rig's engine logs go with its temporary directory: keep them.
                 for engine, label in ((engine_a, "a"), (engine_b, "b")):
                     shutil.copy(engine.log_path, logs / f"llama-server-{label}.log")
+    return done
+
+
+def play_both_direct(args: argparse.Namespace, done: Run, urls: tuple[str, str]) -> Run:
+    """``--no-proxy``: the second arm sends to engine B itself, so the "added" TTFT is
+    the rig's own difference between its two engines (no proxy CPU is read)."""
+    arms = [Arm("direct", client(urls[0]), None, opening()),
+            Arm("prefixpin", client(urls[1]), None, opening())]
+
+    def size_tools(first_prompt: int) -> int:
+        done.tool_chars = args.tool_chars or planned_tool_chars(
+            args.target_tokens, first_prompt, args.min_messages, done.chars_per_token,
+            args.user_every)
+        return done.tool_chars
+
+    try:
+        grow(Session(arms, urls, args.max_tokens, args.thinking), args, size_tools, done.turns)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        done.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for arm in arms:
+            arm.client.close()
     return done
 
 

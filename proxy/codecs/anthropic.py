@@ -59,6 +59,7 @@ from prefixpin.proxy.codecs.anthropic_convert import (
 )
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
@@ -113,7 +114,8 @@ class AnthropicCodec:
     def __repr__(self) -> str:
         return "AnthropicCodec()"
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         return parse_messages(raw, max_messages=max_messages)
 
     def stream(self, client: ClientRequest, generation: Generation, *,

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from prefixpin.core.errors import ProxyError
 from prefixpin.core.frames import Frame
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint
 
@@ -70,7 +71,8 @@ class Codec(Protocol):
     headers: Mapping[str, str]  # of the streamed answer
     opening: bytes  # written with the headers, before the engine said anything
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         """The client's body as a ``ClientRequest``; ``BadRequestError`` (a ``ClientError``)
         naming the field when it is refused (nothing is forwarded then)."""
         ...

@@ -60,6 +60,7 @@ from prefixpin.core.errors import ProxyError, error_event, error_response
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment, encode_data
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_llama_request
 
@@ -86,7 +87,8 @@ class LlamaNativeCodec:
     def __repr__(self) -> str:
         return f"LlamaNativeCodec({self.endpoint!r})"
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         return parse_llama_request(raw, self.endpoint, path)
 
     def stream(self, client: ClientRequest, generation: Generation, *,

@@ -37,6 +37,7 @@ from prefixpin.core.ndjson import (
     fold_generate,
     reply_message,
 )
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_native_request
 
@@ -66,7 +67,8 @@ class OllamaCodec:
     def __repr__(self) -> str:
         return f"OllamaCodec({self.endpoint!r})"
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         return parse_native_request(raw, self.endpoint, path, max_messages=max_messages)
 
     def stream(self, client: ClientRequest, generation: Generation, *,

@@ -28,6 +28,7 @@ from prefixpin.core.figures import count_of, figures_from, mapping_of, with_cach
 from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment, encode_data
 from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import Api, ClientRequest, Endpoint, parse_request
 
@@ -57,11 +58,13 @@ class OpenAICodec:
     def __repr__(self) -> str:
         return f"OpenAICodec({self.endpoint!r})"
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         # The engine is asked on its OpenAI path (the first route, /v1/...) whatever alias
         # the client used (/chat/completions); a bare /completions is not one of these
         # routes: on llama-server it is the native API (proxy.codecs.llama_native).
-        return parse_request(raw, self.endpoint, self.routes[0], max_messages=max_messages)
+        return parse_request(raw, self.endpoint, self.routes[0], max_messages=max_messages,
+                             memo=memo)
 
     def stream(self, client: ClientRequest, generation: Generation, *,
                fill_cached: bool) -> ClientView:

@@ -94,6 +94,7 @@ from prefixpin.proxy.codecs.responses_convert import (
     to_chat,
 )
 from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
@@ -156,7 +157,8 @@ class ResponsesCodec:
     def __repr__(self) -> str:
         return "ResponsesCodec()"
 
-    def parse(self, raw: bytes, path: str, *, max_messages: int) -> ClientRequest:
+    def parse(self, raw: bytes, path: str, *, max_messages: int,
+              memo: BodyMemo | None = None) -> ClientRequest:
         source = parse_checked(raw)
         check_field_types(source, FIELD_TYPES_RESPONSES)
         reasoning = source.get("reasoning")

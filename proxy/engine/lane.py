@@ -77,10 +77,11 @@ class Lane:
         """The lane of one engine, built whole: its backend, watch and request path (its
         policies pass-through until the engine answers and its kind switches them on)."""
         backend = Backend(label=label, adapter=adapter, engine_credentials=engine_credentials)
+        service = ProxyService(settings, backend, metrics, logger=logger, inflight=inflight)
         watch = EngineWatch(backend, metrics, interval_s=settings.health_interval_s,
-                            probe_timeout_s=settings.probe_timeout_s, logger=logger)
-        service = ProxyService(settings, backend, metrics, logger=logger, inflight=inflight,
-                               on_upstream_lost=watch.suspect)
+                            probe_timeout_s=settings.probe_timeout_s, logger=logger,
+                            streaming_since=service.streaming_since)
+        service.on_upstream_lost = watch.suspect
 
         async def forget_prompts(before: EngineInfo, after: EngineInfo) -> None:
             service.ledger.forget(label)  # a restarted engine's slots hold nothing

@@ -3,8 +3,13 @@ every slot, so the proxy forgets what it believed the slots held and says so.
 
 The engine is probed every ``--health-interval`` seconds, and at once when a request loses
 its connection to it (``suspect``): a killed engine is seen within a probe, not an
-interval. An engine that stops answering makes every session *unverified* (the proxy can no
-longer vouch for what the slots hold) until bytes decide again on its next request; an
+interval. An interval over which a stream from the engine stayed open needs no probe: a
+restart or a crash would have closed that stream, and its loss wakes the watch. (It is
+also when a probe costs most: llama-server answers ``/metrics`` between two batches, and
+each probe is a wake-up paid for every second a request waits on a long prefill.)
+
+An engine that stops answering makes every session *unverified* (the proxy can no longer
+vouch for what the slots hold) until bytes decide again on its next request; an
 engine that comes back with another start time has restarted, and the slot map is reset.
 Every probe has a deadline (``PREFIXPIN_PROBE_TIMEOUT_S``): a hung engine never hangs the watch.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
@@ -25,6 +31,8 @@ from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.pipeline.records import Backend
 
 RestartHook = Callable[[EngineInfo, EngineInfo], Awaitable[None]]
+# When the oldest stream from the engine still open began (``time.monotonic``), or None.
+OpenSince = Callable[[], float | None]
 LostHook = Callable[[str], None]  # called with the reason, once per loss
 
 
@@ -77,7 +85,8 @@ class EngineWatch:
     def __init__(self, backend: Backend, metrics: Metrics, *, interval_s: float,
                  probe_timeout_s: float, logger: logging.Logger,
                  on_restart: list[RestartHook] | None = None,
-                 on_lost: list[LostHook] | None = None) -> None:
+                 on_lost: list[LostHook] | None = None,
+                 streaming_since: OpenSince = lambda: None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.interval_s = interval_s
@@ -89,6 +98,8 @@ class EngineWatch:
         self.down_since: str | None = None  # UTC, ISO 8601: when it stopped answering
         self.suspected = False  # a request lost the engine; the probe has not answered yet
         self._wake = asyncio.Event()
+        self._streaming_since = streaming_since
+        self._probed_at = time.monotonic()  # when the last probe began
 
     def suspect(self) -> None:
         """A request lost its engine connection: probe now rather than at the next tick."""
@@ -100,8 +111,14 @@ class EngineWatch:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await self._wake.wait()
-            self._wake.clear()
-            await self.check()
+            if self._wake.is_set() or not self.vouched_by_a_stream():
+                self._wake.clear()
+                await self.check()
+
+    def vouched_by_a_stream(self) -> bool:
+        """A stream from the engine has stayed open since the last probe began."""
+        since = self._streaming_since()
+        return since is not None and since <= self._probed_at and self.reachable
 
     async def check(self) -> EngineInfo | UpstreamError:
         """Probe now: the engine's info, or the error it failed with (a loss or a restart
@@ -113,6 +130,7 @@ class EngineWatch:
 
     async def _check(self) -> EngineInfo | UpstreamError:
         backend, metrics = self.backend, self.metrics
+        self._probed_at = time.monotonic()
         try:
             info = await probe(backend.adapter, self.probe_timeout_s)
         except UpstreamError as exc:

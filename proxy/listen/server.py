@@ -33,7 +33,7 @@ from prefixpin.proxy.settings import Settings
 GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
 GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
 IDLE_TICKS = 2  # collect_young's ticks in a row that find the process idle before it slows
-GC_YOUNG_IDLE_S = 1.0  # ... to this period (or less: until_objects_pile)
+GC_YOUNG_IDLE_S = 30.0  # ... to this period (or less: until_objects_pile)
 GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
 IDLE_SHARE = 0.02  # a tick whose period the process spent under this share of CPU is idle
 
@@ -265,10 +265,10 @@ async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
     for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
     millisecond's pause. Once the process has been all but idle for ``idle_ticks`` ticks in
     a row (waiting on a long prefill, or on nothing), it cannot be piling objects up: the
-    next tick waits ``idle_every_s``, or less if objects pile up (``until_objects_pile``),
-    since a wake-up costs more than the collection (0.12-0.15 ms of CPU on a virtual
-    machine), paid for each second a request waits on a long prefill. A flood that starts
-    meanwhile without the count seeing it is found busy by that tick."""
+    next tick waits until objects pile up (``until_objects_pile``: work has started
+    again), or ``idle_every_s`` at most: a wake-up costs more than the collection (about
+    0.2 ms of CPU on a virtual machine), paid for each second a request waits on a long
+    prefill."""
     idle, cpu, wall = 0, time.process_time(), time.monotonic()
     while True:
         piling = False

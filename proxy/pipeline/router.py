@@ -51,6 +51,7 @@ from prefixpin.proxy.listen.isolation import ApiNotServedError, NamespaceNotServ
 from prefixpin.proxy.listen.tenants import Tenants
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.inflight import InFlight
 from prefixpin.proxy.pipeline.records import Incoming
 from prefixpin.proxy.pipeline.shared import SharedStateError
@@ -85,6 +86,7 @@ class Router:
         self.tenants = tenants
         self.bodies = bodies  # --max-bodies: every body's bytes while it is read and parsed
         self.digests = DigestMemo()  # the messages of recent requests (Incoming.of)
+        self.resent = BodyMemo()  # the parses of recent bodies, for the turns resending them
 
     # -- the request path -------------------------------------------------------------
 
@@ -134,12 +136,13 @@ class Router:
                 # for every route of the pipeline, without building the whole URL).
                 path = request.scope["path"]
                 if len(raw) <= PARSE_ON_LOOP_BYTES:
-                    return raw, codec.parse(raw, path,
-                                            max_messages=self.settings.max_messages)
+                    return raw, codec.parse(raw, path, max_messages=self.settings.max_messages,
+                                            memo=self.resent)
                 # A large body's checks are Python code: in a thread, the loop keeps
                 # serving every other tenant between its bytecodes.
                 return raw, await asyncio.to_thread(codec.parse, raw, path,
-                                                    max_messages=self.settings.max_messages)
+                                                    max_messages=self.settings.max_messages,
+                                                    memo=self.resent)
         except ProxyError as exc:
             busy = isinstance(exc, BodiesFullError)
             self.metrics.requests.labels(codec.endpoint, "bodies_full" if busy

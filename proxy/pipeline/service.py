@@ -153,6 +153,12 @@ class ProxyService:
     def planner(self) -> Planner:
         return self.policies.planner
 
+    def streaming_since(self) -> float | None:
+        """When the oldest engine stream still being read got its answer's head
+        (``time.monotonic``), or None: the watch needs no probe while one stays open."""
+        heads = [g.timeline.head for g in self.generations if not g.answered]
+        return min((head for head in heads if head is not None), default=None)
+
     @property
     def pool(self) -> SlotPool | None:
         return self.policies.pool

@@ -33,6 +33,7 @@ from prefixpin.core.errors import (
     PayloadTooLargeError,
 )
 from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.pipeline.body_memo import BodyMemo, Parsed
 
 Endpoint = Literal["chat", "completions", "infill"]
 # The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;
@@ -214,10 +215,18 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None,
         chunks_read.clear()
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int) -> ClientRequest:
-    body = parse_checked(raw)
+def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: int,
+                  memo: BodyMemo | None = None) -> ClientRequest:
+    """``memo``: the parses of earlier bodies, whose messages a resent history reuses
+    (checked then: only the messages it adds are checked again); this body joins them
+    once every check passed."""
+    resent = memo.loads(raw) if memo is not None and endpoint == "chat" else None
+    if resent is not None and _checked_added(resent):
+        body, checked = without_engine_controls(resent.value), resent.reused
+    else:
+        body, checked, resent = parse_checked(raw), 0, None
     if endpoint == "chat":
-        check_messages(body.get("messages"), max_messages)
+        check_messages(body.get("messages"), max_messages, start=checked)
     else:
         _check_prompt(body.get("prompt"))
     check_field_types(body, FIELD_TYPES[endpoint])
@@ -227,8 +236,18 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     if options is not None and not isinstance(options, Mapping):
         raise BadRequestError("'stream_options' must be an object", param="stream_options")
     wants_usage = bool(options.get("include_usage")) if isinstance(options, Mapping) else False
+    if memo is not None and endpoint == "chat":
+        memo.keep(raw, resent if resent is not None else body)
     return ClientRequest(endpoint, path, body, stream, wants_usage,
                          optional_bool(body, "return_progress"))
+
+
+def _checked_added(resent: Parsed) -> bool:
+    """``parse_checked``'s checks of a resent body's new parts (its fields and the
+    messages it adds), False where it must be parsed whole (a huge float: maybe an
+    integer to read exactly)."""
+    value = resent.value
+    return not _checked_holds_huge_float({**value, "messages": value["messages"][resent.reused:]})
 
 
 def _check_one_choice(body: Mapping[str, Any]) -> None:
@@ -464,7 +483,8 @@ def _json_type(value: object) -> str:
     return JSON_OBJECT if isinstance(value, dict) else JSON_ARRAY
 
 
-def check_messages(messages: object, max_messages: int) -> None:
+def check_messages(messages: object, max_messages: int, *, start: int = 0) -> None:
+    """``start``: the messages before it were checked with an earlier body."""
     if not isinstance(messages, list):
         raise BadRequestError("'messages' is required and must be an array", param="messages")
     # An empty list is the engine's to judge: llama-server renders the template's empty
@@ -472,8 +492,8 @@ def check_messages(messages: object, max_messages: int) -> None:
     if len(messages) > max_messages:
         raise BadRequestError(f"'messages' has {len(messages)} entries; the limit is "
                               f"{max_messages}", param="messages")
-    for index, message in enumerate(messages):
-        _check_message(index, message)
+    for index in range(start, len(messages)):
+        _check_message(index, messages[index])
 
 
 def _check_message(index: int, message: object) -> None:

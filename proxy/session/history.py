@@ -107,6 +107,7 @@ def _digest_of(data: bytes) -> bytes:
 
 MEMO_BYTES = 64 << 20  # the canonical bytes a DigestMemo holds, at most
 MEMO_EDGE = 48  # the bytes of each end of a message that key it in the memo
+MEMO_OBJECTS = 1 << 16  # the message objects a DigestMemo knows by identity, at most
 
 
 class DigestMemo:
@@ -115,29 +116,49 @@ class DigestMemo:
     adds need hashing (a 347-message, 600 kB history: 0.77 ms hashed message by message,
     0.33 ms found here, where each message's canonical bytes are still made and compared).
     Keyed by each message's length and edges, and confirmed by its whole bytes; the least
-    recently used dropped first, beyond ``max_bytes``."""
+    recently used dropped first, beyond ``max_bytes``.
 
-    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+    A message object seen before is found by identity, without its bytes: a resent
+    history's messages are the earlier body's own objects
+    (``proxy.pipeline.body_memo``), and no stage mutates a client's message."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES, max_objects: int = MEMO_OBJECTS) -> None:
         self._held: OrderedDict[tuple[int, bytes, bytes], tuple[bytes, bytes]] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
+        # id -> (the object, kept alive so that its id is not reused; its digest)
+        self._objects: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
+        self._max_objects = max_objects
 
     def digests(self, messages: Iterable[Any]) -> list[bytes]:
         """``digest`` of each message, in order."""
         out: list[bytes] = []
-        held = self._held
+        objects = self._objects
         for message in messages:
-            data = canonical_bytes(message)
-            key = (len(data), data[:MEMO_EDGE], data[-MEMO_EDGE:])
-            found = held.get(key)
-            if found is not None and found[0] == data:
-                held.move_to_end(key)
-                out.append(found[1])
+            known = objects.get(id(message))
+            if known is not None and known[0] is message:
+                objects.move_to_end(id(message))
+                out.append(known[1])
                 continue
-            made = _digest_of(data)
-            self._hold(key, data, made)
+            made = self._digest(message)
+            objects[id(message)] = (message, made)
             out.append(made)
+        while len(objects) > self._max_objects:
+            objects.popitem(last=False)
         return out
+
+    def _digest(self, message: Any) -> bytes:
+        """A new object's digest, found by its canonical bytes where a message with the
+        same bytes was digested before."""
+        data = canonical_bytes(message)
+        key = (len(data), data[:MEMO_EDGE], data[-MEMO_EDGE:])
+        found = self._held.get(key)
+        if found is not None and found[0] == data:
+            self._held.move_to_end(key)
+            return found[1]
+        made = _digest_of(data)
+        self._hold(key, data, made)
+        return made
 
     def _hold(self, key: tuple[int, bytes, bytes], data: bytes, made: bytes) -> None:
         if len(data) > self._max_bytes:

@@ -90,6 +90,7 @@ class FakeLlamaServer:
         # the fake's own tokenizer (the prompt is compared whole, so the memo cannot lie).
         self._last_tokens: tuple[str, list[str]] = ("", [])
         self.faults: list[str] = []
+        self.metrics_served = 0  # the /metrics answers (the proxy's engine probes)
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -137,6 +138,7 @@ class FakeLlamaServer:
                                        "type": "invalid_request_error"}}, status_code=400)
 
     async def _metrics(self, request: Request) -> Response:
+        self.metrics_served += 1
         text = f"llamacpp:prompt_tokens_total {self.prompt_tokens_processed}\n"
         return Response(text, headers={"Process-Start-Time-Unix": str(self.start_us)})
 

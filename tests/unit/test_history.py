@@ -186,3 +186,16 @@ def test_the_memo_holds_at_most_its_bytes_the_newest_kept() -> None:
     assert memo.digests(messages[-5:]) == [digest(m) for m in messages[-5:]]
     assert memo.digests([{"role": "user", "content": "w" * 20_000}])  # too big to hold
     assert memo.held_bytes <= 10_000
+
+
+def test_the_memo_knows_a_message_object_it_digested_and_holds_at_most_its_objects() -> None:
+    """A resent history's messages are the earlier body's objects: found by identity. An
+    equal message in another object is found by its bytes, and gets the same digest."""
+    memo = DigestMemo(max_objects=10)
+    messages = [{"role": "user", "content": f"message {i}"} for i in range(20)]
+    first = memo.digests(messages)
+    held = memo.held_bytes
+    assert memo.digests(messages[-10:]) == first[-10:]
+    assert memo.held_bytes == held  # nothing made again
+    copies = [dict(m) for m in messages]
+    assert memo.digests(copies) == first == [digest(m) for m in messages]
