@@ -107,7 +107,7 @@ def _digest_of(data: bytes) -> bytes:
 
 MEMO_BYTES = 64 << 20  # the canonical bytes a DigestMemo holds, at most
 MEMO_EDGE = 48  # the bytes of each end of a message that key it in the memo
-MEMO_OBJECTS = 1 << 16  # the message objects a DigestMemo knows by identity, at most
+MEMO_OBJECTS = 1 << 14  # the message objects a DigestMemo knows by identity, at most
 
 
 class DigestMemo:
@@ -126,8 +126,10 @@ class DigestMemo:
         self._held: OrderedDict[tuple[int, bytes, bytes], tuple[bytes, bytes]] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
-        # id -> (the object, kept alive so that its id is not reused; its digest)
-        self._objects: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
+        # id -> (the object, kept alive so that its id is not reused; its digest; its
+        # canonical size): at most ``max_objects`` of them, of ``max_bytes`` in all
+        self._objects: OrderedDict[int, tuple[Any, bytes, int]] = OrderedDict()
+        self._object_bytes = 0
         self._max_objects = max_objects
 
     def digests(self, messages: Iterable[Any]) -> list[bytes]:
@@ -140,25 +142,29 @@ class DigestMemo:
                 objects.move_to_end(id(message))
                 out.append(known[1])
                 continue
-            made = self._digest(message)
-            objects[id(message)] = (message, made)
+            made, size = self._digest(message)
+            if (replaced := objects.pop(id(message), None)) is not None:
+                self._object_bytes -= replaced[2]
+            objects[id(message)] = (message, made, size)
+            self._object_bytes += size
             out.append(made)
-        while len(objects) > self._max_objects:
-            objects.popitem(last=False)
+        while objects and (len(objects) > self._max_objects
+                           or self._object_bytes > self._max_bytes):
+            self._object_bytes -= objects.popitem(last=False)[1][2]
         return out
 
-    def _digest(self, message: Any) -> bytes:
-        """A new object's digest, found by its canonical bytes where a message with the
-        same bytes was digested before."""
+    def _digest(self, message: Any) -> tuple[bytes, int]:
+        """A new object's digest and canonical size, found by its canonical bytes where a
+        message with the same bytes was digested before."""
         data = canonical_bytes(message)
         key = (len(data), data[:MEMO_EDGE], data[-MEMO_EDGE:])
         found = self._held.get(key)
         if found is not None and found[0] == data:
             self._held.move_to_end(key)
-            return found[1]
+            return found[1], len(data)
         made = _digest_of(data)
         self._hold(key, data, made)
-        return made
+        return made, len(data)
 
     def _hold(self, key: tuple[int, bytes, bytes], data: bytes, made: bytes) -> None:
         if len(data) > self._max_bytes:
@@ -175,6 +181,11 @@ class DigestMemo:
     @property
     def held_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def known_object_bytes(self) -> int:
+        """The canonical size of the message objects known by identity."""
+        return self._object_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,3 +199,11 @@ def test_the_memo_knows_a_message_object_it_digested_and_holds_at_most_its_objec
     assert memo.held_bytes == held  # nothing made again
     copies = [dict(m) for m in messages]
     assert memo.digests(copies) == first == [digest(m) for m in messages]
+
+
+def test_the_objects_the_memo_knows_are_bounded_by_their_bytes() -> None:
+    memo = DigestMemo(max_bytes=10_000)
+    big = [{"role": "tool", "content": f"{i:04d}" + "q" * 3_000} for i in range(10)]
+    assert memo.digests(big) == [digest(m) for m in big]
+    assert memo.digests(big[-2:]) == [digest(m) for m in big[-2:]]
+    assert 6_000 < memo.known_object_bytes <= 10_000
