@@ -3,10 +3,12 @@ every slot, so the proxy forgets what it believed the slots held and says so.
 
 The engine is probed every ``--health-interval`` seconds, and at once when a request loses
 its connection to it (``suspect``): a killed engine is seen within a probe, not an
-interval. An interval over which a stream from the engine stayed open needs no probe: a
-restart or a crash would have closed that stream, and its loss wakes the watch. (It is
-also when a probe costs most: llama-server answers ``/metrics`` between two batches, and
-each probe is a wake-up paid for every second a request waits on a long prefill.)
+interval. While a stream from the engine that opened within an interval of the last probe
+stays open, the watch does not probe: a crash or a restart from then on closes that
+stream, and its loss wakes the watch; one just before it is seen, as any restart is, by
+the first probe after it (here once the stream ends). A turn that waits seconds on a long
+prefill is where a probe would cost most: llama-server answers ``/metrics`` between two
+batches, and each probe is wake-ups paid on the way to the turn's first token.
 
 An engine that stops answering makes every session *unverified* (the proxy can no longer
 vouch for what the slots hold) until bytes decide again on its next request; an
@@ -116,9 +118,11 @@ class EngineWatch:
                 await self.check()
 
     def vouched_by_a_stream(self) -> bool:
-        """A stream from the engine has stayed open since the last probe began."""
+        """A stream from the engine that opened within an interval of the last probe is
+        still open."""
         since = self._streaming_since()
-        return since is not None and since <= self._probed_at and self.reachable
+        return (since is not None and since <= self._probed_at + self.interval_s
+                and self.reachable)
 
     async def check(self) -> EngineInfo | UpstreamError:
         """Probe now: the engine's info, or the error it failed with (a loss or a restart
