@@ -103,11 +103,8 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
     transport: Any = out
     scope: dict[str, Any] = {"type": "http"}
     if batch is not None:  # the tree batches client writes and has the body writer
-        from prefixpin.proxy.listen.client_writes import (
-            BODY_WRITER,
-            BatchedTransport,
-            ChunkedBodyWriter,
-        )
+        from prefixpin.proxy.pipeline.relay import BODY_WRITER
+        from prefixpin.proxy.speed.client_writes import BatchedTransport, ChunkedBodyWriter
         transport = BatchedTransport(out, batch)  # type: ignore[arg-type]
     cycle = RequestResponseCycle(
         {"type": "http", "method": "POST"},  # type: ignore[typeddict-item]
@@ -130,7 +127,7 @@ async def one_stream(client: Any, out: NullTransport, batch: Any) -> Any:
 
 def _batch_if_any() -> Any:
     try:
-        from prefixpin.proxy.listen.client_writes import WriteBatch
+        from prefixpin.proxy.speed.client_writes import WriteBatch
     except ImportError:  # a tree from before client writes were batched
         return None
     return WriteBatch(asyncio.get_running_loop())

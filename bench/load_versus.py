@@ -11,7 +11,7 @@ per event its clients checked, and the ratio of each tree to the first.
 Each tree's streams come from a client process of its own (``--clients separate``, the
 default; forked per round, both started at the same instant): a client shared by both
 (``--clients shared``, what this bench did first) is woken by either proxy's writes, which
-hides what one proxy's way of writing costs the kernel (``proxy.listen.client_writes``).
+hides what one proxy's way of writing costs the kernel (``proxy.speed.client_writes``).
 
 Two proxies at once is not the load either tree serves alone, though: what one proxy
 costs the kernel depends on how often its client sleeps, which the other proxy changes.

@@ -18,7 +18,7 @@ A tree may run on another interpreter (``python``: a venv made from another Pyth
 the proxy's dependencies installed), e.g. to measure what the interpreter's build costs
 (``bench/load.py --proxy-python``); it then runs with ``PYTHONPATH=TREE`` too, so that it
 imports the tree's code whatever that venv holds, and the interpreter's version and build
-(``proxy.listen.interpreter``) are recorded beside the commit.
+(``proxy.speed.interpreter``) are recorded beside the commit.
 """
 
 from __future__ import annotations
@@ -34,16 +34,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent  # this tree's root
 
-# What an arm's interpreter imports, and its build (``proxy.listen.interpreter``; {} for a tree
+# What an arm's interpreter imports, and its build (``proxy.speed.interpreter``; {} for a tree
 # older than that module).
 _PROBE = """\
 import importlib, json, sys
 cli = importlib.import_module("{package}proxy.cli")
 adapters = importlib.import_module("{package}adapters")
 build = {{}}
-for where in ("proxy.listen.interpreter", "proxy.interpreter"):  # (trees before the rooms)
+# Where a tree keeps it: proxy/speed/ now, proxy/listen/ or proxy/ in older trees.
+for room in ("proxy.speed", "proxy.listen", "proxy"):
     try:
-        build = importlib.import_module("{package}" + where).interpreter_build().fields()
+        build = importlib.import_module(
+            "{package}" + room + ".interpreter").interpreter_build().fields()
         break
     except ImportError:
         pass
@@ -119,7 +121,7 @@ class Tree:
 
 
 def interpreter_line(python: dict[str, Any]) -> str:
-    """The proxy's interpreter and its build, as ``proxy.listen.interpreter`` reads it."""
+    """The proxy's interpreter and its build, as ``proxy.speed.interpreter`` reads it."""
     if not python.get("version"):
         return f"interpreter {python.get('executable', '?')}"
     flags = [flag for flag, on in (("--enable-optimizations", python.get("enable_optimizations")),

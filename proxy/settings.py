@@ -164,7 +164,7 @@ class Settings(BaseSettings):
     max_messages: int = Field(100_000, ge=1)
     compiled_relay: Annotated[bool, Flag()] = Field(
         True, description="relay streamed token events in compiled code" + REMOVED)
-    # Fixed glibc malloc thresholds (proxy.listen.allocator).
+    # Fixed glibc malloc thresholds (proxy.speed.allocator).
     keep_large_buffers: Annotated[bool, Flag()] = Field(
         True, description="keep the memory of large buffers (socket reads, request bodies) "
         "in glibc's heap for reuse, with up to 64 MiB of it free, instead of mapping each "

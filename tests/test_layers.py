@@ -14,6 +14,9 @@ across a layer boundary is still a dependency the layering forbids.
     core          imports nothing from proxy/, adapters/, fingerprint/
     adapters      imports core/ only (never proxy/)
     proxy         anything
+    proxy.speed   imported by the listener: never by the request path's rooms (pipeline,
+                  session, engine, parking, codecs, cluster), proxy.ops, adapters, core
+                  or fingerprint
 
 and no package imports another's private module (``_name``). The packages install under one
 import name, ``prefixpin`` (``prefixpin.proxy``, ...): the graph names modules without it, and
@@ -275,6 +278,40 @@ def test_layers() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+SPEED = "proxy.speed"
+# The rooms a request passes through and those beside them: none of them may know the speed
+# package, which sits behind the listener's frame sink.
+SPEED_BLIND = ("proxy.pipeline", "proxy.session", "proxy.engine", "proxy.parking",
+               "proxy.codecs", "proxy.cluster", "proxy.ops", "adapters", "core", "fingerprint")
+
+
+def in_room(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == room or module.startswith(f"{room}.") for room in rooms)
+
+
+def test_nothing_on_the_request_path_imports_the_speed_package() -> None:
+    """``proxy/speed/`` makes the listener cheaper per event and changes nothing a client
+    receives: only the listener plugs it in. No module of the pipeline, the sessions, the
+    engines, parking, the codecs, the cluster, the operator's side, the adapters, core or
+    the fingerprint imports it, not even lazily or for type checking."""
+    modules = project_modules()
+    offenders = []
+    for name, path in modules.items():
+        if not in_room(name, SPEED_BLIND):
+            continue
+        offenders += [f"{path.relative_to(ROOT)}:{imp.line}: {name} imports {imp.target}"
+                      for imp in imports_of(path.read_text(), name, modules,
+                                            is_package=path.name == "__init__.py")
+                      if in_room(imp.target, (SPEED,))]
+    assert not offenders, "\n".join(offenders)
+    # (not vacuous: the rooms hold modules, and the listener does import the package)
+    assert {room for room in SPEED_BLIND if any(in_room(m, (room,)) for m in modules)} == \
+        set(SPEED_BLIND)
+    assert "proxy.speed.client_writes" in import_graph()["proxy.listen.http_limits"]
+    assert in_room("proxy.speed.collector", (SPEED,))
+    assert not in_room("proxy.speedy", (SPEED,))
+
+
 def private_module(target: str) -> bool:
     """A module whose name (past its package) starts with an underscore: its package's own."""
     return any(part.startswith("_") and part != "__init__" for part in target.split(".")[1:])
@@ -395,7 +432,7 @@ def test_the_settings_import_nothing_that_runs() -> None:
     assert "core.defaults" in import_graph()[SETTINGS]  # the graph sees its imports
     assert "core.defaults" in leaf
     assert "adapters.h1" not in leaf
-    assert "proxy.listen.uvicorn_seam" not in leaf  # no product module, but uvicorn
+    assert "proxy.speed.uvicorn_seam" not in leaf  # no product module, but uvicorn
     assert packages_of("proxy.parking.index") == ["proxy", "proxy.parking"]
 
 

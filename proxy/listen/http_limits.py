@@ -26,12 +26,8 @@ from typing import Any
 
 from prefixpin.core.defaults import MAX_BODY_CHUNKS
 from prefixpin.core.errors import openai_error
-from prefixpin.proxy.listen.client_writes import (
-    BODY_WRITER,
-    BatchedTransport,
-    ChunkedBodyWriter,
-    WriteBatch,
-)
+from prefixpin.proxy.pipeline.relay import BODY_WRITER
+from prefixpin.proxy.speed.client_writes import BatchedTransport, ChunkedBodyWriter, WriteBatch
 
 # Agent clients send about 1 KiB of headers; nginx allows 32 KiB, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -105,7 +101,7 @@ def _bounded_httptools_protocol(limits: ConnectionLimits) -> type[Any]:
         """Counts the bytes of each request head (request line and headers) as they
         arrive; past ``MAX_HEAD_BYTES`` the connection gets a 431 and is closed. Its
         writes go out once per turn of the loop, and each request's scope carries a
-        writer of its streamed body's chunks (``proxy.listen.client_writes``)."""
+        writer of its streamed body's chunks (``proxy.speed.client_writes``)."""
 
         _write_batch: WriteBatch | None = None  # this server's, on its loop
         _in_head = True

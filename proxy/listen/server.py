@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib.util
 import logging
 import os
@@ -21,21 +20,15 @@ from types import FrameType
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS, ServerState
 
-from prefixpin.proxy.listen.accepting import AcceptDrain
-from prefixpin.proxy.listen.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.listen.http_limits import ConnectionLimits, http_options
-from prefixpin.proxy.listen.interpreter import interpreter_build
-from prefixpin.proxy.listen.uvicorn_seam import listening_descriptors, protocol_factory
 from prefixpin.proxy.ops.logs import configure, get_logger, log_event
 from prefixpin.proxy.settings import Settings
-
-GC_THRESHOLDS = (20_000, 50, 100)  # gc.set_threshold for `serve` (see serve)
-GC_YOUNG_EVERY_S = 0.05  # and its youngest generation collected this often (collect_young)
-IDLE_TICKS = 2  # collect_young's ticks in a row that find the process idle before it slows
-GC_YOUNG_IDLE_S = 30.0  # ... to this period (or less: until_objects_pile)
-GC_TRIPWIRE = 1_000  # the count that wakes it again (until_objects_pile)
-IDLE_SHARE = 0.02  # a tick whose period the process spent under this share of CPU is idle
+from prefixpin.proxy.speed.accepting import AcceptDrain
+from prefixpin.proxy.speed.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
+from prefixpin.proxy.speed.collector import GC_YOUNG_EVERY_S, collect_less_often, collect_young
+from prefixpin.proxy.speed.interpreter import interpreter_build
+from prefixpin.proxy.speed.uvicorn_seam import listening_descriptors, protocol_factory
 
 
 def serve(settings: Settings) -> int:
@@ -77,19 +70,17 @@ def serve(settings: Settings) -> int:
         apps.tenant_listener, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, timeout_graceful_shutdown=5, lifespan="on",
         **http_options(limits=limits)))
-    # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
-    # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
-    # traceback on the user's terminal.
-    # The collector's youngest generation every 20,000 allocations, not 700: a stream in
-    # flight holds a frame per event, and at hundreds of streams the frequent collections
-    # (and the older generations they promote into) are the relay's p99 pauses
-    # (bench/results/load/PROFILE.md).
-    gc.set_threshold(*GC_THRESHOLDS)
+    # At hundreds of streams the collector's frequent young collections are the relay's p99
+    # pauses: fewer of them, and the youngest generation on a timer (serve_both).
+    collect_less_often()
     # The fingerprint tokenizes one text at a time: Hugging Face tokenizers' batch call
     # hands even one text to its thread pool, and the hand-off and the wake-ups cost more
     # than the text's tokens under load (bench/results/load/PROFILE.md). A value the user
     # set stands.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Both listeners shut down gracefully on Ctrl-C; then the signal caught is raised again,
+    # as uvicorn does for one server: after a clean shutdown that is a normal exit, not a
+    # traceback on the user's terminal.
     with contextlib.suppress(KeyboardInterrupt), event_loop(settings.loop) as runner:
         runner.run(serve_both(tenant, operator))
         for caught in reversed(tenant.caught):
@@ -141,7 +132,7 @@ class _DatedState(ServerState):
 
 class _Listener(uvicorn.Server):
     """uvicorn's server, accepting every connection waiting on it in one turn of the loop
-    (``proxy.listen.accepting``), and asleep until it is told to stop (``main_loop``)."""
+    (``proxy.speed.accepting``), and asleep until it is told to stop (``main_loop``)."""
 
     drains: tuple[AcceptDrain, ...] = ()
     _ticker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
@@ -253,67 +244,6 @@ async def serve_both(tenant: uvicorn.Server, operator: uvicorn.Server) -> None:
         collector.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await collector
-
-
-async def collect_young(every_s: float, idle_ticks: int = IDLE_TICKS,
-                        idle_every_s: float = GC_YOUNG_IDLE_S) -> None:
-    """The collector's youngest generation, every ``every_s`` on the loop. CPython counts
-    towards that collection the objects made less those freed, of any age: when old
-    objects die as fast as new ones are made (a long reply's read frames folded away
-    while new ones come, under a flood), the count stays low while the young objects
-    pile up to tens of thousands, and their collection, when it comes, holds the loop
-    for tens of milliseconds. Taken every 50 ms they are a few thousand at most: about a
-    millisecond's pause. Once the process has been all but idle for ``idle_ticks`` ticks in
-    a row (waiting on a long prefill, or on nothing), it cannot be piling objects up: the
-    next tick waits until objects pile up (``until_objects_pile``: work has started
-    again), or ``idle_every_s`` at most: a wake-up costs more than the collection (about
-    0.2 ms of CPU on a virtual machine), paid for each second a request waits on a long
-    prefill."""
-    idle, cpu, wall = 0, time.process_time(), time.monotonic()
-    while True:
-        piling = False
-        if idle >= idle_ticks:
-            piling = await until_objects_pile(idle_every_s)
-        else:
-            await asyncio.sleep(every_s)
-        gc.collect(0)
-        now_cpu, now_wall = time.process_time(), time.monotonic()
-        quiet = not piling and now_cpu - cpu < (now_wall - wall) * IDLE_SHARE
-        idle = idle + 1 if quiet else 0
-        cpu, wall = now_cpu, now_wall
-
-
-async def until_objects_pile(at_most_s: float, tripwire: int = GC_TRIPWIRE) -> bool:
-    """Until the interpreter collects on its own count, lowered to ``tripwire`` objects
-    made and not freed (work has started again: True), or ``at_most_s`` (False). The count
-    goes back up the moment it trips, not when the loop next runs this task: a loop busy
-    with a flood would otherwise collect every ``tripwire`` objects until then."""
-    loop = asyncio.get_running_loop()
-    woken = loop.create_future()
-    tripped = False
-
-    def wake() -> None:
-        if not woken.done():
-            woken.set_result(None)
-
-    def on_collection(phase: str, info: dict[str, int]) -> None:
-        nonlocal tripped  # (any thread's allocation may collect: the loop is told safely)
-        if phase == "start" and not tripped:
-            tripped = True
-            gc.set_threshold(*thresholds)
-            loop.call_soon_threadsafe(wake)
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(tripwire, *thresholds[1:])
-    gc.callbacks.append(on_collection)
-    try:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(at_most_s):
-                await woken
-    finally:
-        gc.callbacks.remove(on_collection)
-        gc.set_threshold(*thresholds)
-    return tripped
 
 
 def _with_embedded_model(settings: Settings) -> Settings:

@@ -27,12 +27,11 @@ from prefixpin.core.errors import ProxyError
 from prefixpin.core.streaming import StreamResponse, wait_disconnect
 from prefixpin.proxy.codecs import Codec
 from prefixpin.proxy.codecs.openai_sse import ensure_usage as _ensure_usage
-from prefixpin.proxy.listen.client_writes import BODY_WRITER
 from prefixpin.proxy.pipeline.generation import Generation, Subscriber
 from prefixpin.proxy.pipeline.validation import ClientRequest
 
 # ``_ensure_usage``: the OpenAI codec's usage fill, under the name tests read it by here.
-__all__ = ["BATCH_FRAMES", "_ensure_usage", "heartbeat_text", "respond"]
+__all__ = ["BATCH_FRAMES", "BODY_WRITER", "_ensure_usage", "heartbeat_text", "respond"]
 
 _CHUNK = FrameKind.CHUNK  # read per event: a global, not an enum lookup
 
@@ -40,6 +39,11 @@ BATCH_FRAMES = 256
 # A client's heartbeat timer may fire this early (a loop's clock resolution: uvloop's is
 # 1 ms): its sleep still ends then, rather than spinning on re-armed timers until the due.
 TIMER_SLACK_S = 0.001
+# The scope extension a server may offer a streamed response: a plain writer of one body
+# chunk, ``write(bytes) -> bool`` (False: declined, ``send`` it instead). The tenant
+# listener's protocol offers one (``proxy.listen.http_limits``); absent elsewhere (h11,
+# another server, tests' ASGI transports), where every batch goes through ``send``.
+BODY_WRITER = "prefixpin.body_writer"
 
 
 async def respond(request: Request, client: ClientRequest, codec: Codec,
@@ -100,7 +104,7 @@ class LiveStream(StreamResponse):
     While this response's task sleeps, every change of the generation
     (``Generation.listen``: in the engine connection's read) encodes the frames this client
     has not read, up to ``BATCH_FRAMES`` a write, and writes them there and then with the
-    server's plain writer of a body chunk (``proxy.listen.client_writes.BODY_WRITER``): no task
+    server's plain writer of a body chunk (``BODY_WRITER``): no task
     wakes per event. What must wait is this task's: bytes the plain writer declined (the
     client reads slowly: its socket drains) or, on a server without one, every batch,
     which the task ``send``s before writing what arrived meanwhile and sleeping again

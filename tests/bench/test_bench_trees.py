@@ -118,7 +118,7 @@ def test_interpreter_line_names_the_configure_flags() -> None:
                              "libpython": "shared", "enable_optimizations": True,
                              "with_lto": True}).endswith(
         "shared libpython, configured --enable-optimizations --with-lto")
-    # A tree older than proxy.listen.interpreter reports no build.
+    # A tree older than the interpreter's module reports no build.
     assert interpreter_line({"executable": "/z/python"}) == "interpreter /z/python"
 
 

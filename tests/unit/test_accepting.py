@@ -1,5 +1,5 @@
 """Connections waiting on a listener are accepted in one turn of the loop
-(``proxy.listen.accepting``), on uvloop as on asyncio's loop.
+(``proxy.speed.accepting``), on uvloop as on asyncio's loop.
 
 Each case lets clients connect while the loop is held (the kernel completes their
 handshakes and queues them), then counts the loop's turns until every one of them has
@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 import uvloop
 
-from prefixpin.proxy.listen.accepting import AcceptDrain
 from prefixpin.proxy.listen.server import _Follower
+from prefixpin.proxy.speed.accepting import AcceptDrain
 
 CLIENTS = 64
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {

@@ -1,4 +1,4 @@
-"""``proxy.listen.allocator``: with glibc's thresholds fixed, large buffers that come and go are
+"""``proxy.speed.allocator``: with glibc's thresholds fixed, large buffers that come and go are
 reused from the heap instead of faulted in afresh each time (counted as the process's
 minor page faults, in a fresh interpreter each: the thresholds are process-wide)."""
 
@@ -15,7 +15,7 @@ import pytest
 ROUNDS = 20
 SCRIPT = f"""
 import resource, sys
-from prefixpin.proxy.listen.allocator import keep_large_buffers
+from prefixpin.proxy.speed.allocator import keep_large_buffers
 if sys.argv[1] == "kept":
     assert keep_large_buffers()
 def faults():

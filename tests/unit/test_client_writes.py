@@ -1,4 +1,4 @@
-"""The tenant listener's client writes (``proxy.listen.client_writes``): kept for the end of the
+"""The tenant listener's client writes (``proxy.speed.client_writes``): kept for the end of the
 loop's turn, in order, nothing lost at a close; and a body chunk written as uvicorn's own
 ``send`` writes it, or not at all when ``send`` must decide."""
 
@@ -14,7 +14,7 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from prefixpin.proxy.listen.client_writes import BatchedTransport, ChunkedBodyWriter, WriteBatch
+from prefixpin.proxy.speed.client_writes import BatchedTransport, ChunkedBodyWriter, WriteBatch
 
 
 class RecordingTransport(asyncio.Transport):
@@ -187,7 +187,7 @@ def test_the_writer_leaves_to_send_what_send_must_decide(case: str) -> None:
 async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Streams three chunks through the body writer the scope carries (``send`` where it
     declines), then ends the response."""
-    from prefixpin.proxy.listen.client_writes import BODY_WRITER
+    from prefixpin.proxy.pipeline.relay import BODY_WRITER
 
     if scope["type"] != "http":
         return
@@ -274,8 +274,8 @@ def test_a_client_reset_mid_stream_leaves_the_other_streams_whole() -> None:
     import socket
     import struct
 
-    from prefixpin.proxy.listen.client_writes import BODY_WRITER
     from prefixpin.proxy.listen.http_limits import http_options
+    from prefixpin.proxy.pipeline.relay import BODY_WRITER
     from tests.fakes.servers import serve_in_thread
 
     chunks = 400

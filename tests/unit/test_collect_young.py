@@ -1,5 +1,5 @@
 """``prefixpin serve`` collects the collector's youngest generation on a timer
-(``proxy.listen.server.collect_young``): CPython's own count lets young objects pile up while old
+(``proxy.speed.collector.collect_young``): CPython's own count lets young objects pile up while old
 ones die as fast as new ones are made, and their collection then holds the loop for tens
 of milliseconds."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from prefixpin.proxy.listen.server import GC_THRESHOLDS, collect_young
+from prefixpin.proxy.speed.collector import GC_THRESHOLDS, collect_young
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""proxy.listen.interpreter: which build of Python runs the proxy, read from the build's own
+"""proxy.speed.interpreter: which build of Python runs the proxy, read from the build's own
 configuration and, where Linux shows them, the process's mappings; and ``serve`` saying so
 at start."""
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from prefixpin.proxy.listen.interpreter import SLOW_BUILD_NOTE, interpreter_build
+from prefixpin.proxy.speed.interpreter import SLOW_BUILD_NOTE, interpreter_build
 
 PYENV_ARGS = ("'--prefix=/root/.pyenv/versions/3.11.7' '--enable-shared' "
               "'--libdir=/root/.pyenv/versions/3.11.7/lib' 'LDFLAGS=-L/root/lib'")

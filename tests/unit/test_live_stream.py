@@ -19,9 +19,8 @@ from prefixpin.core.frames import Frame
 from prefixpin.proxy.codecs import codec_of
 from prefixpin.proxy.codecs.anthropic import AnthropicCodec
 from prefixpin.proxy.codecs.openai_sse import ClientView
-from prefixpin.proxy.listen.client_writes import BODY_WRITER
 from prefixpin.proxy.pipeline.generation import Generation
-from prefixpin.proxy.pipeline.relay import LiveStream
+from prefixpin.proxy.pipeline.relay import BODY_WRITER, LiveStream
 from tests.unit.test_relay_path import STREAM, client_of, event, frames_of, opener_of
 
 

@@ -1,4 +1,4 @@
-"""The uvicorn internals the tenant listener reads (``proxy.listen.uvicorn_seam``) are where it
+"""The uvicorn internals the tenant listener reads (``proxy.speed.uvicorn_seam``) are where it
 reads them, in the uvicorn installed: a release that moves one fails here, by name."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from prefixpin.proxy.listen.uvicorn_seam import (
+from prefixpin.proxy.speed.uvicorn_seam import (
     CHECKED_MINOR,
     assigned_attributes,
     missing_internals,
@@ -23,7 +23,7 @@ def test_every_internal_the_listener_reads_is_in_the_installed_uvicorn() -> None
 
 def test_the_installed_uvicorn_is_the_minor_version_the_seam_was_checked_against() -> None:
     assert uvicorn_minor() == CHECKED_MINOR, (
-        f"uvicorn {uvicorn_minor()} is installed; proxy/listen/uvicorn_seam.py was checked "
+        f"uvicorn {uvicorn_minor()} is installed; proxy/speed/uvicorn_seam.py was checked "
         f"against {CHECKED_MINOR}: check its internals, then move the pin and CHECKED_MINOR")
 
 

@@ -35,16 +35,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefixpin.proxy.listen.uvicorn_seam import ResponseCycle
+from prefixpin.proxy.speed.uvicorn_seam import ResponseCycle
 
 # The longest a byte is kept when the turn goes on (checked as other connections write):
 # a turn that reads engine events is a few milliseconds even at hundreds of streams, one
 # that plans a burst of new requests can be tens.
 HOLD_S = 0.002
-# The scope extension holding a request's ``ChunkedBodyWriter.write`` (on the httptools
-# protocol of ``proxy.listen.http_limits``; absent elsewhere: h11, another server, tests' ASGI
-# transports).
-BODY_WRITER = "prefixpin.body_writer"
 
 
 class WriteBatch:
@@ -192,7 +188,10 @@ class ChunkedBodyWriter:
     not started or not chunked (a HEAD, a content length), complete, the client gone, the
     socket's buffer over its high-water mark (``send`` waits for it to drain), or an empty
     body. The state it reads is the request cycle's own (uvicorn's
-    ``RequestResponseCycle``), so both ways of writing stay one response.
+    ``RequestResponseCycle``), so both ways of writing stay one response. The tenant
+    listener's protocol offers ``write`` in each request's scope under the relay's
+    extension name (``proxy.pipeline.relay.BODY_WRITER``): the relay knows the name, never
+    this class.
     """
 
     __slots__ = ("_cycle",)

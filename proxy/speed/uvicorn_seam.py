@@ -3,10 +3,10 @@ what it reaches for is there.
 
 The tenant listener (``proxy.listen.http_limits``) subclasses uvicorn's httptools protocol: it
 bounds each request's head and body, and it gives each streamed response a writer that
-bypasses ASGI's ``send`` on the hot path (``proxy.listen.client_writes``: a body chunk
+bypasses ASGI's ``send`` on the hot path (``proxy.speed.client_writes``: a body chunk
 written as a plain call), which reads the request's ``RequestResponseCycle`` to write as
 ``send`` would. Both listeners accept more than one connection per turn of the loop
-(``proxy.listen.accepting``): that needs the server's listening sockets and the protocol
+(``proxy.speed.accepting``): that needs the server's listening sockets and the protocol
 its startup gives the loop. None of this is a public API of uvicorn, so ``pyproject.toml``
 pins uvicorn to the minor version these names were checked against, ``CHECKED_MINOR``,
 and ``missing_internals`` (run by ``tests/unit/test_uvicorn_seam.py``) names any of them a
