@@ -15,7 +15,7 @@ same holds after a save and a restore, and through the proxy's parking.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,17 +188,34 @@ class Session:
                           {"role": "user", "content": f"And then, {len(self.results)}?"}]
 
 
+def interrupted(session: Session, reply: str) -> None:
+    session.send_back(reply[: len(reply) // 2])  # the part the client received
+
+
+def edited(session: Session, reply: str) -> None:
+    session.send_back(f"(edited) {reply[::-1]}")
+
+
+def echoed(session: Session, reply: str) -> None:
+    session.send_back(reply)
+
+
+def regenerated(session: Session, reply: str) -> None:
+    """The same request again: the slot it was parked from held the old reply."""
+
+
 def usage(result: Json) -> tuple[int, int]:
     """(prompt tokens, cached tokens) as the proxy reports them."""
     figures = result["usage"]
     return int(figures["prompt_tokens"]), int(figures["prompt_tokens_details"]["cached_tokens"])
 
 
-async def returning_after_two_others(model_path: Path, park: Path, *,
-                                     changed: bool) -> tuple[Session, float]:
+async def returning_after_two_others(model_path: Path, park: Path,
+                                     comes_back: Callable[[Session, str], None]
+                                     ) -> tuple[Session, float]:
     """One slot: A's first turn, then B's and C's (each takes the slot: A is parked), then
-    A's second turn, its reply sent back as received or cut short. Returns A, its results
-    kept, and the restores the proxy counted."""
+    A's next request, made by ``comes_back`` from A's reply. Returns A, its results kept,
+    and the restores the proxy counted."""
     from prefixpin.proxy.listen.app import create_apps
     from prefixpin.proxy.settings import Settings
     from tests.app.conftest import clients_of
@@ -213,19 +230,22 @@ async def returning_after_two_others(model_path: Path, park: Path, *,
         reply = reply_of(await a.turn(client))
         for other in others:
             await other.turn(client)
-        a.send_back(reply[: len(reply) // 2] if changed else reply)
+        comes_back(a, reply)
         await a.turn(client)
         restores = await metric(client, "prefixpin_restores_total", outcome="restored")
     return a, restores
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("comes_back", [interrupted, edited, regenerated],
+                         ids=["interrupted", "edited", "regenerated"])
 async def test_a_parked_session_whose_reply_comes_back_changed_prefills_only_the_change(
-        model_path: Path, tmp_path: Path) -> None:
-    """A's reply comes back cut short after two other sessions took its slot: its file is
-    restored with its checkpoint, and A's turn prefills the reply as received and the new
-    user turn, not the conversation."""
-    a, restores = await returning_after_two_others(model_path, tmp_path, changed=True)
+        model_path: Path, tmp_path: Path, comes_back: Callable[[Session, str], None]) -> None:
+    """A's reply comes back changed after two other sessions took its slot: its file is
+    restored with its checkpoint, and A's turn prefills from 4 tokens before its first
+    prompt's end (the reply as the client has it, the new user turn), not the
+    conversation."""
+    a, restores = await returning_after_two_others(model_path, tmp_path, comes_back)
     first_prompt, _ = usage(a.results[0])
     prompt, cached = usage(a.results[1])
     assert restores == 1
@@ -239,7 +259,7 @@ async def test_a_parked_session_that_echoes_its_reply_is_restored_as_before(
     """The same with the reply sent back as received: Qwen3.5's template renders it
     without the ``<think>`` the prompt ended with, so this too rolls back to the
     checkpoint."""
-    a, restores = await returning_after_two_others(model_path, tmp_path, changed=False)
+    a, restores = await returning_after_two_others(model_path, tmp_path, echoed)
     first_prompt, _ = usage(a.results[0])
     prompt, cached = usage(a.results[1])
     assert restores == 1
