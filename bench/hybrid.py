@@ -3,7 +3,8 @@ model: what each follow-up turn prefills, alone, directly and through prefixpin.
 
     python -m bench.hybrid [--model qwen35-tiny] [--engine-arg=--swa-full ...]
                            [--sessions 4] [--slots 2] [--turns 4] [--system 900]
-                           [--user 300] [--think-s 0.5] [--out FILE]
+                           [--user 300] [--think-s 0.5] [--client echo|changed]
+                           [--before CHECKOUT] [--out FILE]
 
 The engine is the rig's llama-server at its default flags (plus ``--slot-save-path``,
 which parking needs, ``-np``, and one thread) on the rig's tiny random-weight ``qwen35``
@@ -14,13 +15,28 @@ starts from one shared system prompt, adds a user turn of about
 template drops its reasoning from earlier turns, as a client that strips it would).
 Between two turns ``--think-s`` passes: the time a user or a tool takes.
 
+``--client changed``: each follow-up sends the last reply back *not* as the engine
+generated it, in turn (by session and turn) the four ways real clients do: ``interrupted``
+(the first half of its text, as a client that stopped the stream keeps it), ``regenerate``
+(the previous request sent again, identical: its new reply replaces the old), ``edited``
+(its text behind an edit), ``reasoning_only`` (empty content: a reasoning-only reply
+with its reasoning stripped). The text is the reply's content, else its reasoning (the
+client shows it as text). On the tiny models, whose greedy answers are newlines only,
+the requests ban newline tokens (``tests.rig.tiny_models.NO_NEWLINES``) so that replies
+are words to change; the words are random.
+
 Arms, in one run:
 
 - ``alone``: each session on its own one-slot engine, its turns back to back (the floor:
   llama-server's own checkpoints);
 - ``direct``: the sessions round-robin on an engine of ``--slots`` slots, the engine choosing;
 - ``prefixpin``: the same through ``prefixpin serve`` (its defaults: pinning, parking ahead,
-  anchoring).
+  anchoring, prompt-end snapshots);
+- ``before`` (with ``--before CHECKOUT``): the same through another checkout's proxy (e.g.
+  ``git worktree add /tmp/before-hybrid 41a00ba``), on the same engine flags.
+
+prefixpin's own log gives, per proxy arm, the bytes its parks and snapshots wrote per turn,
+its restore times, and the rule that decided each snapshot.
 
 Printed per arm: prompt tokens prefilled (prompt - cached) on follow-up turns, in all and
 per turn, the share of follow-up prompt tokens read from cache, and the ratio to
@@ -32,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -49,15 +66,19 @@ import httpx
 from tests.e2e.helpers import filler
 from tests.rig.llama_process import run_llama_server
 from tests.rig.replica_process import run_replica
-from tests.rig.tiny_models import TINY_MODELS, ensure_tiny_model
+from tests.rig.tiny_models import NO_NEWLINES, TINY_MODELS, ensure_tiny_model
 
 Json = dict[str, Any]
+CHANGES = ("interrupted", "regenerate", "edited", "reasoning_only")
 
 
 class Session:
-    def __init__(self, index: int, system: str, user_words: int) -> None:
+    def __init__(self, index: int, system: str, user_words: int, *, changed: bool = False,
+                 fields: Json | None = None) -> None:
         self.index = index
         self.user_words = user_words
+        self.changed = changed  # sends its last reply back changed (``CHANGES``)
+        self.fields = fields or {}  # more request fields
         self.messages: list[Json] = [{"role": "system", "content": system}]
         self.prefilled: list[int] = []  # per turn: prompt tokens not from cache
         self.prompts: list[int] = []  # per turn: prompt tokens
@@ -66,12 +87,29 @@ class Session:
         self.seconds: list[float] = []
 
     def turn(self, client: httpx.Client, number: int) -> None:
-        self.messages.append({"role": "user", "content": f"Session {self.index} turn "
-                              f"{number}: " + filler(self.user_words, seed=self.index * 97
-                                                     + number)})
+        if not (self.changed and number > 1 and self.send_back_changed(number)):
+            self.messages.append({"role": "user", "content": f"Session {self.index} turn "
+                                  f"{number}: " + filler(self.user_words,
+                                                         seed=self.index * 97 + number)})
+        self.send(client)
+
+    def send_back_changed(self, number: int) -> bool:
+        """The last reply, changed as ``CHANGES`` cycles; True for a regenerate (the
+        previous request goes again as it was, no new user turn)."""
+        change = CHANGES[(self.index + number) % len(CHANGES)]
+        reply = self.messages.pop()
+        if change == "regenerate":
+            return True
+        text = reply.get("content") or reply.get("reasoning_content") or ""
+        content = {"interrupted": text[: len(text) // 2], "edited": f"Edited: {text}",
+                   "reasoning_only": ""}[change]
+        self.messages.append({"role": "assistant", "content": content})
+        return False
+
+    def send(self, client: httpx.Client) -> None:
         started = time.monotonic()
         response = client.post("/v1/chat/completions", json={
-            "messages": self.messages, "max_tokens": 16, "temperature": 0},
+            "messages": self.messages, "max_tokens": 16, "temperature": 0, **self.fields},
             headers={"x-session-id": f"session-{self.index}"})
         response.raise_for_status()
         self.seconds.append(round(time.monotonic() - started, 3))
@@ -85,7 +123,10 @@ class Session:
 
 def sessions(args: argparse.Namespace) -> list[Session]:
     system = "You are a coding agent in a shared workspace. " + filler(args.system, seed=1)
-    return [Session(i, system, args.user) for i in range(args.sessions)]
+    changed = args.client == "changed"
+    fields = {"logit_bias": NO_NEWLINES} if changed and args.model in TINY_MODELS else {}
+    return [Session(i, system, args.user, changed=changed, fields=fields)
+            for i in range(args.sessions)]
 
 
 @contextmanager
@@ -123,22 +164,51 @@ def direct(args: argparse.Namespace, tmp: Path) -> list[Session]:
         return round_robin(args, url)
 
 
-def through_prefixpin(args: argparse.Namespace, tmp: Path) -> list[Session]:
-    save = tmp / "prefixpin"
+def through_prefixpin(args: argparse.Namespace, tmp: Path, name: str,
+                      checkout: Path | None = None) -> tuple[list[Session], Json]:
+    """The round robin through a proxy (``checkout``'s, else this one's), and what its log
+    says it wrote to disk and restored."""
+    save, log = tmp / name, tmp / f"{name}.log"
+    env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
     with engine(args, args.slots, save) as url, run_replica(
-            [url], tmp / "prefixpin.log", args=["--park-dir", str(save)]) as proxy:
-        return round_robin(args, proxy.url)
+            [url], log, args=["--park-dir", str(save)], cwd=checkout, env=env) as proxy:
+        runs = round_robin(args, proxy.url)
+    return runs, disk_and_restores(log, sum(len(s.prompts) for s in runs))
+
+
+def disk_and_restores(log: Path, turns: int) -> Json:
+    """From the proxy's JSON log: bytes written by parks and snapshots per turn, restore
+    times, snapshots taken and restored, and the rules that skipped or took them."""
+    events = [json.loads(line) for line in log.read_text().splitlines()
+              if line.startswith("{")]
+    written = sum(int(e.get("bytes", 0)) for e in events
+                  if e["event"] in ("parked", "snapshot taken"))
+    restores = [e for e in events if e["event"] == "restored"]
+    rules: dict[str, int] = {}
+    for e in events:
+        if e["event"] in ("snapshot taken", "snapshot skipped"):
+            rule = f"{e['event']}: {re.sub(r'[0-9][0-9.]*', 'N', str(e.get('rule', '')))}"
+            rules[rule] = rules.get(rule, 0) + 1
+    return {"bytes_written_per_turn": round(written / turns) if turns else 0,
+            "restores": len(restores),
+            "restored_from_snapshot": sum(1 for e in restores if e.get("snapshot")),
+            "restore_ms_median": (statistics.median(float(e["ms"]) for e in restores)
+                                  if restores else None),
+            "restores_declined": sum(1 for e in events if e["event"] == "restore declined"),
+            "snapshot_rules": rules}
 
 
 def follow_ups(runs: list[Session]) -> list[int]:
     return [n for session in runs for n in session.prefilled[1:]]
 
 
-def report(arms: dict[str, list[Session]]) -> Json:
+def report(arms: dict[str, list[Session]], disk: dict[str, Json]) -> Json:
     floor = sum(follow_ups(arms["alone"]))
+    alone = follow_ups(arms["alone"])
     result: Json = {}
     for name, runs in arms.items():
         prefilled = follow_ups(runs)
+        over = [p - a for p, a in zip(prefilled, alone, strict=True)]
         prompts = sum(n for session in runs for n in session.prompts[1:])
         result[name] = {"follow_up_prefilled": sum(prefilled),
                         "follow_up_cached_fraction": round(1 - sum(prefilled) / prompts, 4),
@@ -148,10 +218,12 @@ def report(arms: dict[str, list[Session]]) -> Json:
                         "median_turn_seconds": [
                             statistics.median(s.seconds[turn] for s in runs)
                             for turn in range(len(runs[0].seconds))],
-                        "per_session": [s.prefilled for s in runs]}
-    worst = max(p - a for p, a in zip(follow_ups(arms["prefixpin"]), follow_ups(arms["alone"]),
-                                      strict=True))
-    result["prefixpin_worst_over_alone_tokens"] = worst
+                        "worst_over_alone_tokens": max(over),
+                        "over_alone_plus_16": sum(1 for o in over if o > 16),
+                        "follow_ups": len(over),
+                        "per_session": [s.prefilled for s in runs],
+                        **({"disk": disk[name]} if name in disk else {})}
+    result["prefixpin_worst_over_alone_tokens"] = result["prefixpin"]["worst_over_alone_tokens"]
     return result
 
 
@@ -167,14 +239,22 @@ def main() -> None:
     parser.add_argument("--system", type=int, default=900, help="system prompt words")
     parser.add_argument("--user", type=int, default=300, help="words per user turn")
     parser.add_argument("--think-s", type=float, default=0.5)
+    parser.add_argument("--client", choices=("echo", "changed"), default="echo",
+                        help="send each reply back as generated, or changed (CHANGES)")
+    parser.add_argument("--before", type=Path,
+                        help="another checkout whose proxy runs as the arm 'before'")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefixpin-hybrid-") as name:
         tmp = Path(name)
-        arms = {"alone": alone(args, tmp), "direct": direct(args, tmp),
-                "prefixpin": through_prefixpin(args, tmp)}
-    result = {"setup": vars(args) | {"out": str(args.out) if args.out else None},
-              **report(arms)}
+        arms = {"alone": alone(args, tmp), "direct": direct(args, tmp)}
+        disk: dict[str, Json] = {}
+        if args.before is not None:
+            arms["before"], disk["before"] = through_prefixpin(args, tmp, "before", args.before)
+        arms["prefixpin"], disk["prefixpin"] = through_prefixpin(args, tmp, "prefixpin")
+    setup = vars(args) | {"out": str(args.out) if args.out else None,
+                          "before": str(args.before) if args.before else None}
+    result = {"setup": setup, **report(arms, disk)}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

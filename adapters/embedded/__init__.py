@@ -20,6 +20,8 @@ ends the worker, never the proxy. The modules, in the order a completion meets t
 - ``job``: one running completion, bridging its slot's thread and the event loop;
 - ``generate``: the completion itself: prefix reuse, batched prefill, sampling, stop words;
 - ``context``: a slot's ``llama_context`` (decode, KV cache, state files) and sampler chain;
+- ``checkpoints``: context checkpoints of recurrent/hybrid memory, kept per slot and
+  written into its state file;
 - ``wire``: the events rendered as llama-server's result objects and stream chunks;
 - ``facts``: what the engine says about itself (``/props``, ``/v1/models``, ``/metrics``)
   and llama.cpp's rule for slot file names;

@@ -121,6 +121,10 @@ class Metrics:
         self.anchors = Counter("prefixpin_anchors", "Slots made to hold their session's next "
                                "request's opening before parking (recurrent/hybrid memory), "
                                "by outcome", ["outcome"], registry=r)
+        self.snapshots = Counter("prefixpin_snapshots", "Prompt-end snapshots of hybrid "
+                                 "sessions (a parked file a changed last reply still "
+                                 "extends): taken, kept, skipped, failed, restored",
+                                 ["outcome"], registry=r)
         self.limit_refusals = Counter("prefixpin_limit_refusals", "Connections and requests "
                                       "refused at a bound (connections, head_timeout, "
                                       "body_timeout, head_size, body_chunks, body_size, "

@@ -11,6 +11,8 @@
     index      the park index: ParkRecord, the ParkIndexStore protocol, the sqlite index
                (one replica; ``proxy.cluster.park_index.RedisParkIndex`` with ``--redis``)
     limits     what the engine allows: when a restored slot is reused at all
+    anchor     a hybrid slot made to hold its next request's opening before it is parked
+    snapshot   beside it, the prompt's end, for a next request that changes the last reply
     manager    ParkManager: park, restore, lookup, budget, sweep
     (here)     start-up: ``open_parking``, one manager per lane (engine)
 

@@ -47,6 +47,9 @@ CONTENDED_WITHIN_S = 600.0
 # Two next user turns that differ from their first character: what the two renderings share
 # is what every next request will start with.
 _NEXT_TURNS = ("A", "0\n")
+# Two replies that differ from their first character: what a prompt shares with both
+# renderings of the turn it opens is where any reply to it starts.
+_REPLIES = _NEXT_TURNS
 
 
 async def when_idle(pool: SlotPool, slot: int, session_id: str,
@@ -77,6 +80,26 @@ async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[int] 
     messages, or its raw prompt); None when that prompt is not text."""
     text = await adapter.apply_template(body) if "messages" in body else body.get("prompt")
     return await adapter.tokenize(text, add_special=True) if isinstance(text, str) else None
+
+
+async def prompt_opening(adapter: Adapter, body: Mapping[str, Any]
+                         ) -> tuple[list[int], list[int]] | None:
+    """The request's prompt tokens, and the part of them every next request of the
+    conversation starts with, whatever reply it sends back in the turn this prompt opens
+    (interrupted, regenerated, edited, rewritten): the prompt up to where its reply starts,
+    as the template renders an earlier assistant turn. None for a body without messages."""
+    messages = body.get("messages")
+    prompt = await prompt_tokens(adapter, body)
+    if not isinstance(messages, list) or prompt is None:
+        return None
+    shared = len(prompt)
+    for reply in _REPLIES:
+        following = [*messages, {"role": "assistant", "content": reply},
+                     {"role": "user", "content": _NEXT_TURNS[0]}]
+        text = await adapter.apply_template({**body, "messages": following})
+        shared = min(shared, common_prefix(prompt, await adapter.tokenize(text,
+                                                                          add_special=True)))
+    return prompt, prompt[:shared]
 
 
 async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],

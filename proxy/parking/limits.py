@@ -8,7 +8,9 @@ it re-processes a restored slot from the first token even for an exact extension
 is off for such a model when the engine's flags are readable, and pauses itself after two
 restores the engine did not reuse when they are not. For recurrent/hybrid memory a restore
 only helps when the request's tokens extend all the file's tokens, which is checked (the
-engine's template and tokenizer) before restoring.
+engine's template and tokenizer) before restoring. The embedded engine keeps context
+checkpoints in its slot files (``adapters.embedded.model.checkpoints``), so a restored
+slot rolls back there as a live one does: its limits are those of full attention.
 
 llama-server's own host-RAM cache (``--cache-ram``) keeps working beside this: it copies a
 slot's state when a pinned request displaces it and can load it back by itself; parking
@@ -93,7 +95,8 @@ def limits_from(info: EngineInfo, flags: ServerFlags | None) -> EngineLimits:
     """The same, from flags read already (None: not readable here); the GGUF is read here
     (blocking: run it in a thread)."""
     if info.engine == "embedded":
-        return EngineLimits(source="embedded engine (full-size SWA cache, no RAM cache)")
+        return EngineLimits(source="embedded engine (full-size SWA cache, context "
+                                   "checkpoints in its slot files, no RAM cache)")
     facts = engine_facts_of(flags, info.props)
     window, recurrent, source = info.n_swa, False, "engine probe"
     if facts.model is not None:

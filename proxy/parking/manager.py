@@ -33,6 +33,7 @@ from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import (
     CONTENDED_WITHIN_S,
     Anchorer,
+    prompt_opening,
     prompt_tokens,
     when_idle,
 )
@@ -50,6 +51,7 @@ from prefixpin.proxy.parking.slotfile import (
     tokens_digest,
     unlink,
 )
+from prefixpin.proxy.parking.snapshot import Book, Speeds, Verdict, judge
 from prefixpin.proxy.session.history import Committed, decide
 from prefixpin.proxy.session.placement import Eviction, SlotEntry, SlotPool
 from prefixpin.proxy.session.sessions import Session, SessionStore
@@ -147,6 +149,8 @@ class ParkManager:
         # with that identity still is not written since (any write moves its ctime).
         self._hashed: dict[str, tuple[int, ...]] = {}
         self._ahead: set[asyncio.Task[None]] = set()  # parks ahead under way
+        self.snapshots = Book(SESSION_NOTES)  # each session's prompt-end snapshot
+        self.speeds = Speeds()  # the engine's prefill and the park disk, as measured
         self._update_gauges()
 
     # -- eviction: save ---------------------------------------------------------------
@@ -192,6 +196,7 @@ class ParkManager:
             self._skipped(session, eviction.slot, "failed", f"save failed: {exc.message}",
                           logging.WARNING)
             return None
+        self.speeds.saw_save(result.n_bytes, time.monotonic() - started)
         path = self.config.files_dir / filename
         if held is not None and not await held():
             await asyncio.to_thread(unlink, path)  # perhaps another session's state
@@ -247,6 +252,10 @@ class ParkManager:
         if anchorer is None or not anchorer.unanchored_turn(eviction.slot, eviction.session_id,
                                                             eviction.tokens):
             return eviction
+        if self.limits.exact_extension_only:
+            rolled_back = await self._take_snapshot(eviction.slot, eviction.session_id)
+            if rolled_back is not None:
+                eviction = dataclasses.replace(eviction, tokens=rolled_back)
         held = await anchorer.anchor(eviction.slot, eviction.session_id)
         return dataclasses.replace(eviction, tokens=held) if held is not None else eviction
 
@@ -276,6 +285,9 @@ class ParkManager:
     async def _park_ahead(self, entry: SlotEntry, slot: int, session_id: str, *,
                           save: bool) -> None:
         if self.anchorer is not None:
+            if save and self.limits.exact_extension_only:
+                rolled_back = await self._take_snapshot(slot, session_id)
+                entry.tokens = rolled_back if rolled_back is not None else entry.tokens
             anchored = await self.anchorer.anchor(slot, session_id)
             if anchored is not None:
                 entry.tokens = anchored
@@ -425,9 +437,12 @@ class ParkManager:
             return self._declined(session, record, fault.fault, fault.reason,
                                   level=logging.WARNING)
         if self.limits.exact_extension_only:
-            rewind = await self._rewinds_tokens(body, tokens)
-            if rewind is not None:
-                return self._declined(session, record, "diverged", rewind, level=logging.INFO)
+            extended = await self._extended_by(session, body, record, tokens)
+            if isinstance(extended, str):
+                return self._declined(session, record, "diverged", extended,
+                                      level=logging.INFO)
+            record = extended
+        from_snapshot = self.snapshots.holds(record.park_id)
         try:
             result = await self.adapter.restore_slot(slot, record.filename)
         except ProxyError as exc:
@@ -447,10 +462,13 @@ class ParkManager:
         _bounded_set(self._restored, session.id, result.n_tokens)
         self.metrics.restores.labels("restored").inc()
         self.metrics.restore_seconds.observe(seconds)
+        if from_snapshot:
+            self.metrics.snapshots.labels("restored").inc()
         note = f"restored {result.n_tokens} tokens in {seconds * 1000:.0f} ms"
         log_event(self.log, logging.INFO, "restored", session=session.id, slot=slot,
                   tokens=result.n_tokens, bytes=record.size, file=record.filename,
-                  lane=self.lane, ms=round(seconds * 1000, 1), engine_ms=round(result.ms, 1))
+                  lane=self.lane, ms=round(seconds * 1000, 1), engine_ms=round(result.ms, 1),
+                  snapshot=from_snapshot)
         return RestoreResult("restored", note, result.n_tokens, seconds)
 
     def _elsewhere(self, record: ParkRecord) -> str:
@@ -466,21 +484,25 @@ class ParkManager:
                 f"({self.lane}) does not read (per-engine save directories; --park-shared "
                 "when every engine saves to one directory)")
 
-    async def _rewinds_tokens(self, body: Mapping[str, Any], held: list[int]) -> str | None:
-        """Why the request's prompt does not extend every token the file holds (the
-        engine would re-process it all: no checkpoint survives a restore), or None."""
+    async def _extended_by(self, session: Session, body: Mapping[str, Any],
+                           record: ParkRecord, held: list[int]) -> ParkRecord | str:
+        """The longest parked state the request's prompt extends (the engine would
+        re-process anything else: no checkpoint survives a restore): the anchored file
+        ``record`` holding ``held``, else the session's prompt-end snapshot; else why not."""
         try:
             prompt = await prompt_tokens(self.adapter, body)
         except ProxyError as exc:
             return f"cannot compare the request's tokens with the file's ({exc.message})"
         if prompt is None:
             return "the request's prompt is not text: its tokens cannot be compared"
-        shared = common_prefix(prompt, held)
-        if shared == len(held) and len(prompt) > len(held):
-            return None
-        return (f"the request's tokens leave the parked ones at token {shared} of "
-                f"{len(held)}; with {self.limits.memory} a restored slot would be "
-                "re-processed from the start")
+        if _extends(prompt, held):
+            return record
+        snapshot = await self._snapshot_extended(session, body, prompt)
+        if snapshot is not None:
+            return snapshot
+        return (f"the request's tokens leave the parked ones at token "
+                f"{common_prefix(prompt, held)} of {len(held)}; with {self.limits.memory} "
+                "a restored slot would be re-processed from the start")
 
     def _declined(self, session: Session, record: ParkRecord, outcome: str, reason: str, *,
                   level: int) -> RestoreResult:
@@ -550,6 +572,9 @@ class ParkManager:
         except self.index.errors as exc:
             log_event(self.log, logging.WARNING, "park not touched", session=session_id,
                       error=str(exc))
+        if session is not None and session.turns:
+            turn = session.turns[-1]
+            self.speeds.saw_turn(turn.prompt_tokens, turn.cached_tokens, turn.ttft_ms)
         restored = self._restored.pop(session_id, None)
         if restored is not None and session is not None and session.turns:
             self._judge_reuse(session, restored, session.turns[-1].cached_tokens)
@@ -560,10 +585,14 @@ class ParkManager:
         self._unparked.pop(session_id, None)
         self._restored.pop(session_id, None)
         self._late_commit.pop(session_id, None)
+        snapshot = self.snapshots.forget(session_id)
         try:
             record = self.index.owned_by(session_id)
             if record is not None:
                 self._remove(record, "final")
+            snapshot_record = self.index.get(snapshot) if snapshot is not None else None
+            if snapshot_record is not None:
+                self._remove(snapshot_record, "final")
         except self.index.errors as exc:
             log_event(self.log, logging.WARNING, "park not removed", session=session_id,
                       reason="final", error=str(exc))
@@ -614,11 +643,167 @@ class ParkManager:
                         "last_use": round(r.last_use, 3)} for r in reversed(records)],
         }
 
+    # -- prompt-end snapshots (recurrent/hybrid memory: see ``snapshot``) -----------------
+
+    async def _take_snapshot(self, slot: int, session_id: str) -> int | None:
+        """Roll ``slot`` (held, its session's last turn in it) back to where that turn's
+        reply starts, and save it beside the anchored file, when ``snapshot.judge`` says
+        it pays. The tokens the slot holds once rolled back (the anchor that follows
+        extends them again); None when it was left as it was."""
+        session = await self._session_of(session_id)
+        if session is None or session.committed is None or session.committed.body is None:
+            return None
+        try:
+            rendered = await prompt_opening(self.adapter, session.committed.body)
+        except ProxyError as exc:
+            self._snapshot_skipped(session, "failed", f"prompt not rendered: {exc.message}")
+            return None
+        if rendered is None:
+            return None
+        prompt, opening = rendered
+        current = self._snapshot_holding(session, opening)
+        if current is not None:  # a regenerate: the same prompt, restored from it
+            self.metrics.snapshots.labels("kept").inc()
+            return await self._rolled_back_to(slot, current)
+        verdict = self._snapshot_verdict(session, len(prompt), len(opening))
+        if not verdict.take:
+            self._snapshot_skipped(session, "skipped", verdict.rule)
+            return None
+        started = time.monotonic()
+        record = await self._saved_snapshot(session, slot, opening)
+        if record is None:
+            return len(opening)  # rolled back, not saved
+        seconds = time.monotonic() - started
+        self.metrics.snapshots.labels("taken").inc()
+        log_event(self.log, logging.INFO, "snapshot taken", session=session.id, slot=slot,
+                  tokens=record.n_tokens, prompt=len(prompt), bytes=record.size,
+                  file=record.filename, lane=self.lane, ms=round(seconds * 1000, 1),
+                  rule=verdict.rule)
+        return record.n_tokens
+
+    async def _saved_snapshot(self, session: Session, slot: int,
+                              opening: list[int]) -> ParkRecord | None:
+        """The slot rolled back to ``opening`` (the engine resumes from its checkpoint
+        near the prompt's end), saved, checked and recorded as the session's snapshot."""
+        filename = self.filenames()
+        try:
+            await self.adapter.prefill(slot, opening)
+            saving = time.monotonic()
+            result = await self.adapter.save_slot(slot, filename)
+            self.speeds.saw_save(result.n_bytes, time.monotonic() - saving)
+        except ProxyError as exc:
+            self._snapshot_skipped(session, "failed", exc.message)
+            return None
+        path = self.config.files_dir / filename
+        try:
+            record = await self._checked_record(session, path, result.n_tokens, result.n_bytes)
+            if record.n_tokens != len(opening):
+                raise SlotFileError("mismatched", f"the slot held {record.n_tokens} tokens, "
+                                                  f"the prompt's opening {len(opening)}")
+        except SlotFileError as exc:
+            await asyncio.to_thread(unlink, path)
+            self._snapshot_skipped(session, "failed", exc.reason)
+            return None
+        record = dataclasses.replace(record, owner=None)  # its session owns its anchored file
+        try:
+            self.index.insert(record)
+            previous = self.snapshots.note(session.id, record.park_id)
+            replaced = self.index.get(previous) if previous is not None else None
+            if replaced is not None:
+                self._remove(replaced, "replaced")
+            await self._enforce_budget(keep=record.park_id)
+        except self.index.errors as exc:
+            self._snapshot_skipped(session, "failed", f"park index: {exc}")
+            return None
+        return record
+
+    def _snapshot_holding(self, session: Session, opening: list[int]) -> ParkRecord | None:
+        """The session's snapshot, when it holds ``opening`` already (it was restored for
+        a regenerate, whose turn ends where the last one did)."""
+        snapshot = self._snapshot_record(session)
+        if (snapshot is not None and snapshot.n_tokens == len(opening)
+                and snapshot.tokens_digest == tokens_digest(opening)):
+            return snapshot
+        return None
+
+    async def _rolled_back_to(self, slot: int, snapshot: ParkRecord) -> int | None:
+        """The slot rolled back by restoring ``snapshot`` (a turn that prefilled only the
+        few tokens after it left the engine no checkpoint to roll back to: a prefill would
+        re-read the whole prompt); the tokens it then holds, None if not restored."""
+        path = park_path(self.config.files_dir, snapshot.filename)
+        if path is None:
+            return None
+        try:
+            await asyncio.to_thread(_check_file, path, snapshot, self.config.verify_content,
+                                    self._hashed.get(snapshot.filename))
+            return (await self.adapter.restore_slot(slot, snapshot.filename)).n_tokens
+        except SlotFileError as fault:
+            self._remove_quietly(snapshot, "invalid")
+            log_event(self.log, logging.WARNING, "snapshot unusable", file=snapshot.filename,
+                      reason=fault.reason)
+        except ProxyError as exc:
+            log_event(self.log, logging.WARNING, "snapshot not restored",
+                      file=snapshot.filename, error=exc.message)
+        return None
+
+    def _snapshot_verdict(self, session: Session, prompt: int, opening: int) -> Verdict:
+        estimate = self._estimate_bytes(opening)
+        try:
+            current = self._snapshot_record(session)
+            total = self.index.total_bytes(self.scope)
+        except self.index.errors as exc:
+            return Verdict(False, f"park index: {exc}")
+        replaced = current.size if current is not None else 0
+        fits = estimate is None or total - replaced + estimate <= self.config.max_bytes
+        cached = session.turns[-1].cached_tokens if session.turns else None
+        return judge(prompt=prompt, opening=opening, cached=cached, estimate_bytes=estimate,
+                     fits=fits, speeds=self.speeds)
+
+    def _snapshot_record(self, session: Session) -> ParkRecord | None:
+        """The session's snapshot, while its record is in this lane's directory."""
+        park_id = self.snapshots.of(session.id)
+        record = self.index.get(park_id) if park_id is not None else None
+        if record is None or record.scope != self.scope or record.model != self.model:
+            return None
+        return record
+
+    async def _snapshot_extended(self, session: Session, body: Mapping[str, Any],
+                                 prompt: list[int]) -> ParkRecord | None:
+        """The session's snapshot when the request's prompt extends it (checked on disk
+        as the anchored file is)."""
+        try:
+            snapshot = self._snapshot_record(session)
+        except self.index.errors:
+            return None
+        if snapshot is None or not decide(snapshot.committed, body).resumable:
+            return None
+        path = park_path(self.config.files_dir, snapshot.filename)
+        if path is None:
+            return None
+        try:
+            held = await asyncio.to_thread(_check_file, path, snapshot,
+                                           self.config.verify_content,
+                                           self._hashed.get(snapshot.filename))
+        except SlotFileError as fault:
+            self._remove_quietly(snapshot, "invalid")
+            log_event(self.log, logging.WARNING, "snapshot unusable", session=session.id,
+                      file=snapshot.filename, reason=fault.reason)
+            return None
+        return snapshot if _extends(prompt, held) else None
+
+    def _snapshot_skipped(self, session: Session, outcome: str, reason: str) -> None:
+        self.metrics.snapshots.labels(outcome).inc()
+        log_event(self.log, logging.WARNING if outcome == "failed" else logging.INFO,
+                  "snapshot skipped", session=session.id, outcome=outcome, rule=reason)
+
     # -- budget, removal, start-up sweep ------------------------------------------------
 
     async def _enforce_budget(self, keep: str) -> None:
+        """Oldest first, every snapshot before any anchored file: a snapshot only serves
+        a changed last reply, its session's anchored file every other next request."""
         total = self.index.total_bytes(self.scope)
-        for record in self.index.oldest_first(self.scope):
+        records = self.index.oldest_first(self.scope)
+        for record in sorted(records, key=lambda r: not self.snapshots.holds(r.park_id)):
             if total <= self.config.max_bytes:
                 break
             if record.park_id == keep:
@@ -634,6 +819,7 @@ class ParkManager:
         """Record first, then the file: a crash in between leaves an orphan file (swept).
         Only records in this lane's directory come here."""
         self.index.delete(record.park_id)
+        self.snapshots.dropped(record.park_id)
         path = park_path(self.config.files_dir, record.filename)
         if path is None:
             log_event(self.log, logging.WARNING, "park file not deleted", file=record.filename,
@@ -807,6 +993,11 @@ def _bounded_set(table: dict[str, Any], key: str, value: Any) -> None:
     table[key] = value
     while len(table) > SESSION_NOTES:
         del table[next(iter(table))]
+
+
+def _extends(prompt: Sequence[int], held: Sequence[int]) -> bool:
+    """The prompt holds every token ``held`` holds, and more (one at least is evaluated)."""
+    return len(prompt) > len(held) and common_prefix(prompt, held) == len(held)
 
 
 def _same_history(a: Committed, b: Committed) -> bool:

@@ -28,7 +28,7 @@ from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_parking import metric
 from tests.e2e.helpers import filler
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
-from tests.rig.tiny_models import ensure_tiny_model
+from tests.rig.tiny_models import NO_NEWLINES, ensure_tiny_model
 
 pytestmark = [pytest.mark.llama, pytest.mark.anyio]
 
@@ -54,8 +54,9 @@ class Agent:
     """One session: a system prompt of its own, a user turn per step, each reply sent back
     as the engine returned it (reasoning included: the template drops it)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fields: Json | None = None) -> None:
         self.name = name
+        self.fields = fields or {}  # more request fields
         self.messages: list[Json] = [{"role": "system", "content": f"You are agent {name}. "
                                       + filler(200, seed=ord(name))}]
         self.usage: list[Json] = []
@@ -63,9 +64,13 @@ class Agent:
     async def turn(self, client: ProxyClient, step: int) -> Json:
         self.messages.append({"role": "user", "content": f"Step {step}: "
                               + filler(40, seed=ord(self.name) * 10 + step)})
+        return await self.send(client)
+
+    async def send(self, client: ProxyClient) -> Json:
         response = await client.post(
             "/v1/chat/completions", headers={"x-session-id": f"agent-{self.name}"},
-            json={"messages": self.messages, "max_tokens": 16, "temperature": 0})
+            json={"messages": self.messages, "max_tokens": 16, "temperature": 0,
+                  **self.fields})
         assert response.status_code == 200, response.text
         body: Json = response.json()
         self.messages.append(body["choices"][0]["message"])
@@ -210,3 +215,52 @@ async def test_a_slot_evicted_before_it_idled_is_anchored_as_it_is_parked(
         for before, after in itertools.pairwise(agent.usage):
             assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"], \
                 agent.usage
+
+
+def send_back_changed(agent: Agent, change: str) -> bool:
+    """The agent's last reply as a client that shows its text (reasoning included) sends it
+    back changed: ``interrupted`` (the half received before the user stopped it),
+    ``edited``; ``regenerate`` drops it, to send the request that produced it again.
+    Whether the next request is that resend (no new user turn)."""
+    reply = agent.messages.pop()
+    if change == "regenerate":
+        return True
+    text = reply.get("content") or reply.get("reasoning_content") or ""
+    assert text.strip(), reply  # else the template renders no change
+    kept = text[: len(text) // 2] if change == "interrupted" else f"Edited: {text}"
+    agent.messages.append({"role": "assistant", "content": kept})
+    return False
+
+
+@pytest.mark.parametrize("change", ["interrupted", "edited", "regenerate"])
+async def test_a_changed_last_reply_is_restored_from_the_prompt_end_snapshot(
+        qwen35: LlamaServerProcess, park: Path, change: str) -> None:
+    """A and B alternate on one slot, and every time one comes back it sends its last
+    reply back changed (or resends the request that produced it): its anchored file holds
+    the reply as generated, which the request leaves, so the restore comes from the
+    snapshot taken where that reply started. Each return then prefills only what differs
+    from the previous prompt (the changed reply, the new user turn), plus the few tokens
+    between the reply's start and the prompt's end; on the code before snapshots every
+    return re-read the whole conversation."""
+    apps = create_apps(parking(qwen35, park))
+    app = apps.tenant
+    agents = [Agent("A", {"logit_bias": NO_NEWLINES}), Agent("B", {"logit_bias": NO_NEWLINES})]
+    async with app.router.lifespan_context(app), clients_of(apps, timeout=120) as client:
+        await lanes_ready(app, timeout_s=60)
+        for step in (1, 2, 3):
+            for agent in agents:
+                if step > 1 and send_back_changed(agent, change):
+                    await agent.send(client)
+                else:
+                    await agent.turn(client, step)
+                await asyncio.sleep(0.6)  # its slot idles: parked ahead before the other's turn
+        restored = await metric(client, "prefixpin_snapshots_total", outcome="restored")
+        declined = await metric(client, "prefixpin_restores_total", outcome="diverged")
+    assert (restored, declined) == (4, 0)
+    for agent in agents:
+        for before, after in itertools.pairwise(agent.usage):
+            prompt, cached = after["prompt_tokens"], after["prompt_tokens_details"]["cached_tokens"]
+            # the previous prompt, but for the tokens after its reply's start (2 here)
+            assert cached >= before["prompt_tokens"] - 4, agent.usage
+            assert prompt - cached <= max(prompt - before["prompt_tokens"], 0) + 16, agent.usage
+            assert prompt - cached < prompt // 4, agent.usage

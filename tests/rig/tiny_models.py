@@ -183,6 +183,14 @@ TINY_MODELS: dict[str, TinyModel] = {
 }
 
 
+# Greedy, the tiny random-weight models answer newlines only; a client sending back a
+# changed reply needs text to change. These are SmolLM2's whitespace tokens ("\n", "\n\n",
+# "\n\n\n", "\n\n\n\n", " \n"), banned by a request's OpenAI ``logit_bias``: the answer is noise
+# words (all ``reasoning_content`` with Qwen3.5's template).
+NO_NEWLINES: dict[str, float] = {str(token): -100.0 for token in (198, 1116, 16506, 22342,
+                                                                   3717)}
+
+
 def tiny_model_path(name: str) -> Path:
     """Where ``name``'s GGUF lives: the name carries a hash of all that shapes the file."""
     return cache_root() / "tiny-models" / f"{name}-{parameters_digest(TINY_MODELS[name])}.gguf"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixpin.adapters.embedded.errors import EngineBackendError
+from prefixpin.adapters.embedded.model.checkpoints import Checkpoint
 from prefixpin.adapters.embedded.model.llama import LlamaModel
 
 # llama.h: LLAMA_DEFAULT_SEED, "pick a random seed".
@@ -88,6 +89,8 @@ class SlotContext:
         self._context = context
         self.n_ctx = int(lib.llama_n_ctx(context))
         self._memory = lib.llama_get_memory(context)
+        # Recurrent/hybrid memory rolls back only to checkpoints (``checkpoints``).
+        self.needs_checkpoints = model.has_recurrent_memory()
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
 
     @property
@@ -123,6 +126,33 @@ class SlotContext:
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self._memory, True)
+
+    def checkpoint_size(self) -> int:
+        """Bytes of the sequence's partial (recurrent) state as it stands."""
+        return int(self.lib.llama_state_seq_get_size_ext(
+            self._context, 0, self.lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+
+    def take_checkpoint(self, n_tokens: int) -> Checkpoint:
+        """The partial state now that the first ``n_tokens`` tokens are decoded."""
+        size = self.checkpoint_size()
+        data = bytearray(size)
+        buffer = (ctypes.c_uint8 * size).from_buffer(data)
+        written = int(self.lib.llama_state_seq_get_data_ext(
+            self._context, buffer, size, 0, self.lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        del buffer  # the bytearray cannot be resized while a ctypes view exports it
+        if written != size:
+            raise EngineBackendError(f"checkpoint copied {written} of {size} bytes")
+        return Checkpoint(n_tokens, data)
+
+    def roll_back_to(self, checkpoint: Checkpoint) -> bool:
+        """Load the checkpoint's partial state and drop the cells after it; False if the
+        memory took neither (the caller then starts over)."""
+        size = len(checkpoint.data)
+        buffer = (ctypes.c_uint8 * size).from_buffer(checkpoint.data)
+        read = int(self.lib.llama_state_seq_set_data_ext(
+            self._context, buffer, size, 0, self.lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        del buffer
+        return read == size and self.keep_first(checkpoint.n_tokens)
 
     def save_state(self, path: Path, packed_tokens: Sequence[int]) -> int:
         """Write the sequence's KV state plus ``packed_tokens``; returns bytes written."""

@@ -6,6 +6,11 @@ one re-evaluated token, the prompt-progress points, the timing clock, the stop-w
 UTF-8 hold-back rules, and the token list the slot keeps afterwards (prompt plus every
 decoded generated token; the final sampled token is never decoded).
 
+On recurrent/hybrid memory, which cannot cut its tokens in the middle, the prefill stops
+a few tokens before the prompt's end to take a context checkpoint, and a next prompt that
+leaves the slot's tokens earlier than their end rolls back to the latest checkpoint at or
+before where it leaves them (``checkpoints``; llama-server's ctx checkpoints).
+
 ``run_generation`` is synchronous and runs on the slot's worker thread. It reports through
 ``emit`` (thread-safe, supplied by the caller) and checks ``cancel`` between prefill
 batches and between generated tokens.
@@ -19,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixpin.adapters.embedded.errors import ApiError, EngineBackendError
+from prefixpin.adapters.embedded.model.checkpoints import CHECKPOINT_BEFORE_END, Checkpoints
 from prefixpin.adapters.embedded.model.context import Sampler, SamplingParams, SlotContext
 from prefixpin.adapters.embedded.model.llama import LlamaModel
 
@@ -133,6 +139,7 @@ class SlotState:
     """What a slot holds between requests: the tokens in its KV cache and its last figures."""
 
     tokens: list[int] = field(default_factory=list)
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
     stats: SlotStats = field(default_factory=SlotStats)
     n_remain: int = -1
     has_next_token: bool = False
@@ -222,16 +229,34 @@ class _Run:
         n_past = common_prefix(state.tokens, prompt) if self.task.cache_prompt else 0
         if n_past == len(prompt) and n_past > 0:
             n_past -= 1  # logits are needed to sample: re-evaluate one token [TAG_PROMPT_LOGITS]
-        if not self.context.keep_first(n_past):
-            # memory that cannot cut in the middle (recurrent state): start over
-            self.context.clear()
-            n_past = 0
+        n_past = self.cut_to(n_past)
         del state.tokens[n_past:]
         state.stats = self.stats
         state.has_new_line = False
         self.stats.n_prompt_cached = n_past
         self.emit(PromptStarted(total=len(prompt), cache=n_past))
         return n_past
+
+    def cut_to(self, n_past: int) -> int:
+        """Drop the slot's memory from ``n_past`` on; returns where the prefill resumes:
+        ``n_past``, else (memory that cannot cut in the middle: recurrent state) the latest
+        checkpoint at or before it, else 0."""
+        context, checkpoints = self.context, self.state.checkpoints
+        if context.keep_first(n_past):
+            checkpoints.forget_after(n_past)
+            return n_past
+        checkpoint = checkpoints.latest_within(n_past)
+        if checkpoint is not None and context.roll_back_to(checkpoint):
+            checkpoints.forget_after(checkpoint.n_tokens)
+            return checkpoint.n_tokens
+        context.clear()
+        checkpoints.clear()
+        return 0
+
+    def checkpoint_at(self, n_past: int) -> int | None:
+        """Where this prefill takes a checkpoint (None: nowhere)."""
+        at = len(self.task.prompt) - CHECKPOINT_BEFORE_END
+        return at if self.context.needs_checkpoints and at > n_past else None
 
     def progress(self) -> None:
         if self.task.report_progress:
@@ -243,16 +268,23 @@ class _Run:
     def prefill(self, n_past: int, cancel: threading.Event) -> bool:
         # the first progress point (processed == cache) is the PromptStarted event
         prompt, n_batch = self.task.prompt, self.context.n_batch
-        for begin in range(n_past, len(prompt), n_batch):
+        checkpoint_at = self.checkpoint_at(n_past)
+        begin = n_past
+        while begin < len(prompt):
             if cancel.is_set():
                 return False
-            chunk = prompt[begin : begin + n_batch]
-            last = begin + len(chunk) == len(prompt)
-            self.context.decode(chunk, begin, logits_last=last)
+            end = min(begin + n_batch, len(prompt))
+            if checkpoint_at is not None and begin < checkpoint_at < end:
+                end = checkpoint_at  # the batch stops where the checkpoint is taken
+            chunk = prompt[begin:end]
+            self.context.decode(chunk, begin, logits_last=end == len(prompt))
             self.state.tokens.extend(chunk)
+            if end == checkpoint_at:
+                self.state.checkpoints.add(self.context.take_checkpoint(end))
             self.stats.n_prompt_processed += len(chunk)
             self.stats.t_prompt_last = now_us()
             self.progress()
+            begin = end
         return True
 
     def generate(self, cancel: threading.Event) -> None:

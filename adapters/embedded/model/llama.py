@@ -221,6 +221,12 @@ class LlamaModel:
         tokens = [int(lib.llama_vocab_bos(vocab)), int(lib.llama_vocab_eos(vocab))]
         return [token for token in tokens if self.is_valid_token(token)] or [0]
 
+    def has_recurrent_memory(self) -> bool:
+        """Recurrent or hybrid (recurrent beside attention) layers: a sequence's memory
+        cannot drop its last tokens, so going back needs a checkpoint."""
+        lib, model = self.lib, self._model
+        return bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model))
+
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 

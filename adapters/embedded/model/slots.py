@@ -1,4 +1,5 @@
-"""Slots: N contexts over one model, llama-server's slot choice, and slot state files.
+"""Slots: N contexts over one model, llama-server's slot choice, and slot state files
+(llama.cpp's, then the slot's newest context checkpoint: ``checkpoints``).
 
 Each ``Slot`` owns a ``SlotContext`` and a one-thread executor: everything that touches
 its context (a generation, a save, a restore, an erase) runs there, so one slot never does
@@ -17,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixpin.adapters.embedded.errors import ApiError, EngineBackendError
+from prefixpin.adapters.embedded.model.checkpoints import (
+    Checkpoint,
+    CheckpointFileError,
+    append_checkpoints,
+    read_checkpoints,
+)
 from prefixpin.adapters.embedded.model.context import SlotContext
 from prefixpin.adapters.embedded.model.generate import SlotState, SlotStats, common_prefix
 from prefixpin.adapters.embedded.model.llama import LlamaModel
@@ -157,12 +164,17 @@ def unpack_tokens(packed: Sequence[int]) -> list[int]:
 
 
 def save_slot(slot: Slot, path: Path) -> tuple[int, int]:
-    """Write tokens + KV state; returns (tokens saved, bytes written). Slot thread only."""
+    """Write tokens + KV state, then the newest context checkpoint (``checkpoints``);
+    returns (tokens saved, bytes written). Slot thread only."""
     tokens = slot.state.tokens
+    newest = slot.state.checkpoints.newest()
     try:
         written = slot.context.save_state(path, pack_tokens(tokens))
+        written += append_checkpoints(path, [newest] if newest is not None else [])
     except EngineBackendError as exc:
         raise ApiError(str(exc), "server_error") from exc
+    except OSError as exc:
+        raise ApiError(f"Unable to save slot: {exc.strerror}", "server_error") from exc
     return len(tokens), written
 
 
@@ -171,6 +183,7 @@ def restore_slot(slot: Slot, model: LlamaModel, path: Path) -> tuple[int, int]:
     context = slot.context
     context.clear()
     slot.state.tokens = []
+    slot.state.checkpoints.clear()
     try:
         read, packed = context.load_state(path, context.n_ctx + 8)
         tokens = unpack_tokens(packed)
@@ -179,14 +192,33 @@ def restore_slot(slot: Slot, model: LlamaModel, path: Path) -> tuple[int, int]:
                            "context")
         if not all(model.is_valid_token(token) for token in tokens):
             raise ApiError("Unable to restore slot: Invalid tokens in slot save file")
-    except EngineBackendError as exc:
+        checkpoints, trailer = read_checkpoints(path, read)
+        check_checkpoints(checkpoints, len(tokens), context)
+    except (EngineBackendError, CheckpointFileError, OSError) as exc:
         context.clear()
         raise ApiError(f"Unable to restore slot: {exc}") from exc
     except ApiError:
         context.clear()
         raise
     slot.state.tokens = tokens
-    return len(tokens), read
+    slot.state.checkpoints.replace(checkpoints)
+    return len(tokens), read + trailer
+
+
+def check_checkpoints(checkpoints: Sequence[Checkpoint], n_tokens: int,
+                      context: SlotContext) -> None:
+    """Each checkpoint restored must lie within the slot's tokens and be a partial state of
+    this memory's size (a file of another model is refused, not rolled back to)."""
+    if checkpoints and not context.needs_checkpoints:
+        raise CheckpointFileError("context checkpoints for a model without recurrent memory")
+    size = context.checkpoint_size() if checkpoints else 0
+    for checkpoint in checkpoints:
+        if not 0 < checkpoint.n_tokens <= n_tokens:
+            raise CheckpointFileError(f"a checkpoint at token {checkpoint.n_tokens} of "
+                                      f"{n_tokens}")
+        if len(checkpoint.data) != size:
+            raise CheckpointFileError(f"a checkpoint of {len(checkpoint.data)} bytes, the "
+                                      f"model's state takes {size}")
 
 
 def erase_slot(slot: Slot) -> int:
@@ -194,4 +226,5 @@ def erase_slot(slot: Slot) -> int:
     erased = len(slot.state.tokens)
     slot.context.clear()
     slot.state.tokens = []
+    slot.state.checkpoints.clear()
     return erased
