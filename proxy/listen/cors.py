@@ -44,6 +44,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixpin.core.errors import openai_error
 
+# Header names as the engines write them (cpp-httplib as set, Go canonical): the same on the
+# wire, and some clients (llama.cpp's own test harness) read them case-sensitively.
 Headers = list[tuple[bytes, bytes]]
 
 LOCALHOST = "localhost"
@@ -121,24 +123,24 @@ class LlamaServerRules:
     def preflight(self, origin: str | None) -> Answer:
         headers = self.allowed(origin) if origin else None
         return Answer(200, [*(headers or []),
-                            (b"access-control-allow-credentials", b"true"),
-                            (b"access-control-allow-methods", LLAMA_SERVER_METHODS),
-                            (b"access-control-allow-headers", b"*"),
-                            (b"content-type", b"text/html"),
-                            (b"content-length", b"0")])
+                            (b"Access-Control-Allow-Credentials", b"true"),
+                            (b"Access-Control-Allow-Methods", LLAMA_SERVER_METHODS),
+                            (b"Access-Control-Allow-Headers", b"*"),
+                            (b"Content-Type", b"text/html"),
+                            (b"Content-Length", b"0")])
 
     def allowed(self, origin: str) -> Headers | None:
         if not self.allows(origin):
             return None
-        return [(b"access-control-allow-origin", origin.encode("latin-1")),
-                (b"vary", b"Origin")]
+        return [(b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+                (b"Vary", b"Origin")]
 
     def refusal(self) -> Answer:
         body = json.dumps(openai_error(
             "this origin may not call this API (prefixpin --cors-origins)",
             "permission_error", code="origin_not_allowed")).encode()
-        return Answer(403, [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())], body)
+        return Answer(403, [(b"Content-Type", b"application/json"),
+                            (b"Content-Length", str(len(body)).encode())], body)
 
 
 def llama_server_rules(origins: str | None) -> LlamaServerRules:
@@ -184,27 +186,27 @@ class OllamaRules:
 
     def preflight(self, origin: str | None) -> Answer:
         if origin is None:  # not a CORS request: Ollama's router has no OPTIONS route
-            return Answer(405, [(b"content-length", b"0")])
+            return Answer(405, [(b"Content-Length", b"0")])
         headers = self.allowed(origin)
         if headers is None:
             return self.refusal()
-        vary = [] if self.allow_all else [(b"vary", b"Access-Control-Request-Method"),
-                                          (b"vary", b"Access-Control-Request-Headers")]
+        vary = [] if self.allow_all else [(b"Vary", b"Access-Control-Request-Method"),
+                                          (b"Vary", b"Access-Control-Request-Headers")]
         return Answer(204, [*headers, *vary,
-                            (b"access-control-allow-methods", OLLAMA_METHODS),
-                            (b"access-control-allow-headers", OLLAMA_HEADERS),
-                            (b"access-control-max-age", OLLAMA_MAX_AGE)])
+                            (b"Access-Control-Allow-Methods", OLLAMA_METHODS),
+                            (b"Access-Control-Allow-Headers", OLLAMA_HEADERS),
+                            (b"Access-Control-Max-Age", OLLAMA_MAX_AGE)])
 
     def allowed(self, origin: str) -> Headers | None:
         if self.allow_all:
-            return [(b"access-control-allow-origin", b"*")]
+            return [(b"Access-Control-Allow-Origin", b"*")]
         if not any(pattern.matches(origin) for pattern in self.patterns):
             return None
-        return [(b"access-control-allow-origin", origin.encode("latin-1")),
-                (b"vary", b"Origin")]
+        return [(b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+                (b"Vary", b"Origin")]
 
     def refusal(self) -> Answer:
-        return Answer(403, [(b"content-length", b"0")])
+        return Answer(403, [(b"Content-Length", b"0")])
 
 
 def ollama_rules(origins: str | None) -> OllamaRules:
@@ -281,8 +283,8 @@ def browser_gate(app: ASGIApp) -> ASGIApp:
             body = json.dumps(openai_error(
                 "the operator listener serves no other origin than its own",
                 "permission_error", code="origin_not_allowed")).encode()
-            await answer(Answer(403, [(b"content-type", b"application/json"),
-                                      (b"content-length", str(len(body)).encode())], body),
+            await answer(Answer(403, [(b"Content-Type", b"application/json"),
+                                      (b"Content-Length", str(len(body)).encode())], body),
                          send)
             return
         await app(scope, receive, send)
