@@ -82,6 +82,14 @@ class Settings(BaseSettings):
         None, description="TOML file of tenants and their keys ([tenants] name = \"key\" or "
         "[\"key\", ...]), read again when it changes: only then are requests authenticated "
         "(401) and tenants isolated; without it, every client and key is one namespace")
+    # Browser pages on other origins (proxy.listen.cors): read as the engine reads its own.
+    cors_origins: Annotated[str | None, Flag()] = Field(
+        None, description="origins a browser page may call the tenant port from, read as "
+        "the engine behind it reads its own: in front of llama-server its --cors-origins "
+        "(localhost: http(s)://localhost, 127.0.0.1 and [::1] on any port; *: every origin; "
+        "else a comma-separated list), in front of Ollama its OLLAMA_ORIGINS (added to "
+        "Ollama's own list; * a wildcard). Default: localhost in front of llama-server, "
+        "Ollama's own list in front of Ollama. The operator listener serves no other origin")
     # The engine's own API key: one for every upstream, unless the upstreams file gives a
     # URL its own (`api_key=`: upstream_api_keys).
     engine_api_key: Annotated[SecretStr | None, Flag()] = Field(

@@ -1,6 +1,6 @@
 """pytest plugin loaded into llama.cpp's own server test suite (``-p bench.llama_suite.plugin``).
 
-It changes the harness (``utils.ServerProcess``) in four ways, and nothing in the tests:
+It changes the harness (``utils.ServerProcess``) in six ways, and nothing in the tests:
 
 - every server it starts runs the project's llama-server (``LLAMA_SERVER_BIN_PATH``) on the
   project's local GGUF (``LLAMA_SUITE_MODEL``) with ``--offline``: no preset's Hugging Face
@@ -17,6 +17,18 @@ It changes the harness (``utils.ServerProcess``) in four ways, and nothing in th
   instead, except a bare path whose ``/v1`` form is a tenant route (``/responses``: one
   llama-server handler for both), which goes to the tenant port as that form
   (``LLAMA_SUITE_ROUTING=tenant`` sends everything to the tenant port as it is);
+- prefixpin is configured as an operator configures it in front of that engine: its
+  ``--engine-api-key`` is the server's ``--api-key`` (prefixpin's own probes need it), and
+  its ``--cors-origins`` is the one llama-server resolves from the same server's
+  settings (``engine_cors_origins``: its ``--cors-origins``, else ``localhost`` with built-in
+  tools or MCP servers, else ``*``, this build's default; prefixpin's own default is
+  ``localhost``). Every ``OPTIONS`` goes to the tenant port, which answers preflights
+  itself;
+- in both runs, the headers of a ``make_request`` answer are read case-insensitively, as
+  HTTP defines them (RFC 9110 §5.1): the harness keeps them in a plain ``dict``, so a test
+  that looks up ``Access-Control-Allow-Origin`` would miss the same header written
+  ``access-control-allow-origin``, as uvicorn writes every header name (llama-server keeps
+  the case it was given);
 - every request the harness makes is logged with its test id and the listener it went to
   (``LLAMA_SUITE_ROUTES``, JSON lines);
 - every test's outcome, its failure message and its duration go to ``LLAMA_SUITE_RESULTS``
@@ -37,6 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from requests.structures import CaseInsensitiveDict
 
 MODE = os.environ.get("LLAMA_SUITE_MODE", "direct")
 ROUTING = os.environ.get("LLAMA_SUITE_ROUTING", "auto")
@@ -85,6 +98,8 @@ def _tenant_serves(method: str, path: str) -> bool:
     from prefixpin.proxy.listen.passthrough import TENANT_PATHS
 
     path = path.partition("?")[0]
+    if method == "OPTIONS":  # every preflight: answered before routing (proxy.listen.cors)
+        return True
     if method == "POST" and path in codec_routes():
         return True
     if path == "/healthz" and method == "GET":
@@ -92,16 +107,28 @@ def _tenant_serves(method: str, path: str) -> bool:
     return TENANT_PATHS.get(path) == method
 
 
+def engine_cors_origins(server: Any) -> str:
+    """The ``--cors-origins`` llama-server resolves for ``server`` (common/arg.cpp): the one
+    given, else ``localhost`` when built-in tools or MCP servers are on, else ``*``."""
+    if server.cors_origins:
+        return str(server.cors_origins)
+    if server.server_tools or server.mcp_servers_config or server.mcp_servers_json:
+        return "localhost"
+    return "*"
+
+
 class _Proxy:
     """prefixpin in front of one llama-server, in this process."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, cors_origins: str, engine_api_key: str | None) -> None:
         from prefixpin.proxy.listen.app import create_apps
         from prefixpin.proxy.settings import Settings
         from tests.fakes.servers import serve_proxy
 
         self.stack = contextlib.ExitStack()
-        self.url = self.stack.enter_context(serve_proxy(create_apps(Settings(upstream=upstream))))
+        settings = Settings(upstream=upstream, cors_origins=cors_origins,
+                            engine_api_key=engine_api_key)
+        self.url = self.stack.enter_context(serve_proxy(create_apps(settings)))
         self.admin: str = self.url.admin
         self.port = int(urlsplit(self.url).port or 0)
         self._wait_healthy()
@@ -165,7 +192,8 @@ def _patch_harness() -> None:
             self._suite_llama_port = self.server_port
             host = self.server_host.split(",")[0].strip()
             try:
-                self._suite_proxy = _Proxy(f"http://{host}:{self.server_port}")
+                self._suite_proxy = _Proxy(f"http://{host}:{self.server_port}",
+                                           engine_cors_origins(self), self.api_key)
             except BaseException:
                 original_stop(self)
                 raise
@@ -201,9 +229,11 @@ def _patch_harness() -> None:
         def wrapped(self: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
             _local.method = method
             try:
-                return function(self, method, path, *args, **kwargs)
+                answer = function(self, method, path, *args, **kwargs)
             finally:
                 _local.method = None
+            answer.headers = CaseInsensitiveDict(answer.headers)
+            return answer
 
         wrapped.__name__ = function.__name__
         return wrapped

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """llama.cpp's own server tests, run directly against llama-server and through prefixpin.
 
-The claim under test: llama.cpp's chat, completion, Anthropic and Responses test files
+The claim under test: llama.cpp's chat, completion, Anthropic, Responses and security files
 pass through prefixpin exactly as they pass directly (header-name case aside). Each test
 must have the SAME outcome in both runs; many fail in both, since they assert what their
 stories260K model writes and here SmolLM2-135M answers (no weights come from a model hub).
@@ -53,6 +53,7 @@ DEFAULT_FILES = (
     "unit/test_completion.py",
     "unit/test_compat_anthropic.py",
     "unit/test_compat_oai_responses.py",
+    "unit/test_security.py",
 )
 SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 TESTS_IN_TREE = "vendor/llama.cpp/tools/server/tests"
@@ -167,6 +168,16 @@ NOTES = """\
   serves `/responses` and `/v1/responses` with one handler, so the plugin sends it to the
   tenant port as `/v1/responses`, where the pipeline answers it (through the operator
   listener it passed, unchanged).
+- **For `test_security.py`** prefixpin is configured as an operator would configure it in
+  front of each server: the server's `--api-key` as `--engine-api-key`, and as
+  `--cors-origins` the value llama-server resolves (its `--cors-origins`, else `localhost`
+  with built-in tools or MCP servers, else `*`, this build's default; prefixpin's own
+  default is `localhost`). Every `OPTIONS` goes to the tenant port. Both runs read answer
+  headers case-insensitively (the harness keeps them in a plain `dict`, and uvicorn writes
+  every name in lower case). `GET /` of `test_access_static_assets_without_api_key` reaches
+  the operator listener's status page (200) where llama-server, built without its UI,
+  answers 404: the test fails at `/sw.js` instead, in both runs. `/cors-proxy`
+  (llama-server's MCP proxy, which fetches any URL it is given) is an operator path.
 - **Timings are not comparable**: the machine has 2 cores shared with other jobs (see the
   load averages above); the per-test seconds in the table measure mostly that.
 """

@@ -48,6 +48,14 @@ from prefixpin.core.errors import (
 )
 from prefixpin.proxy.codecs import Codec
 from prefixpin.proxy.codecs import routes as codec_routes
+from prefixpin.proxy.listen.cors import (
+    CorsRules,
+    browser_gate,
+    llama_server_rules,
+    ollama_rules,
+    rules_for,
+    tenant_cors,
+)
 from prefixpin.proxy.listen.passthrough import TENANT_PATHS, forward
 from prefixpin.proxy.listen.paths import canonical_paths
 from prefixpin.proxy.listen.tenants import CREDENTIAL_HEADERS
@@ -111,17 +119,22 @@ class ProxyApps:
     holder: StateHolder
     metrics: Metrics  # the server's own bounds count their refusals here too
 
+    cors_rules: Callable[[], CorsRules]  # the tenant port's: the engines' (proxy.listen.cors)
+
     @property
     def tenant_listener(self) -> ASGIApp:
-        """What the tenant port serves: the tenant app behind the canonical path
-        (``proxy.listen.paths``: an alias is routed as the path it means, or refused), its pipeline
-        routes served straight from there (``PipelineFirst``)."""
-        return canonical_paths(PipelineFirst(self.tenant, self.holder))
+        """What the tenant port serves: browsers answered first (``proxy.listen.cors``: a
+        preflight before any key is looked at), then the tenant app behind the canonical
+        path (``proxy.listen.paths``: an alias is routed as the path it means, or refused),
+        its pipeline routes served straight from there (``PipelineFirst``)."""
+        return tenant_cors(canonical_paths(PipelineFirst(self.tenant, self.holder)),
+                           self.cors_rules)
 
     @property
     def operator_listener(self) -> ASGIApp:
-        """What the operator listener serves, behind the canonical path too."""
-        return canonical_paths(self.operator)
+        """What the operator listener serves: nothing to another origin's page, then
+        behind the canonical path too."""
+        return browser_gate(canonical_paths(self.operator))
 
 
 def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
@@ -159,7 +172,7 @@ def create_apps(settings: Settings, *, transport: httpx.AsyncBaseTransport | Non
     ]
     tenant = Starlette(routes=routes, lifespan=lifespan,
                        exception_handlers={ProxyError: _proxy_error, Exception: _unexpected})
-    return ProxyApps(tenant, operator, holder, metrics)
+    return ProxyApps(tenant, operator, holder, metrics, _cors_rules(settings, holder))
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
@@ -167,6 +180,21 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     """The tenant app alone (its operator app is unreachable): for tests and benches that
     need no operator view."""
     return create_apps(settings, transport=transport, transports=transports).tenant
+
+
+def _cors_rules(settings: Settings, holder: StateHolder) -> Callable[[], CorsRules]:
+    """The rules of the engines serving now (before they are known, of the engine named
+    by ``--engine``), each kind's read from ``--cors-origins`` once."""
+    llama_server = llama_server_rules(settings.cors_origins)
+    ollama = ollama_rules(settings.cors_origins)
+
+    def rules() -> CorsRules:
+        state = holder.state
+        engines = ([lane.adapter.name for lane in state.router.lanes] if state is not None
+                   else [settings.engine])
+        return rules_for(engines, llama_server, ollama)
+
+    return rules
 
 
 def _operator_app(settings: Settings, holder: StateHolder) -> Starlette:

@@ -71,9 +71,17 @@ async def forward(request: Request, http: httpx.AsyncClient,
         response = await http.send(upstream_request, stream=True)
     return StreamingResponse(
         _raw(response), status_code=response.status_code,
-        headers={k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP},
+        headers={k: v for k, v in response.headers.items() if passed_back(k)},
         background=BackgroundTask(response.aclose),
     )
+
+
+def passed_back(name: str) -> bool:
+    """Whether an engine's response header reaches the client: not a hop-by-hop one, and
+    not the engine's CORS answer (the listener gives its own: ``proxy.listen.cors``; the
+    engine's would let pages in that prefixpin keeps out)."""
+    lowered = name.lower()
+    return lowered not in HOP_BY_HOP and not lowered.startswith("access-control-")
 
 
 async def _body(request: Request) -> AsyncIterator[bytes]:

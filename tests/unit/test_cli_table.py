@@ -35,6 +35,7 @@ SERVE: dict[str, tuple[str, Any]] = {
     "--admin-token": ("admin_token", "7"),
     "--engine-api-key": ("engine_api_key", "7"),
     "--tenants": ("tenants_file", "7"),
+    "--cors-origins": ("cors_origins", "7"),
     "--first-byte": ("first_byte_ms", 7),
     "--heartbeat": ("heartbeat_s", 7.0),
     "--max-body": ("max_body_bytes", 7),
