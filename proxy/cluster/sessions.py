@@ -177,8 +177,8 @@ def encode_session(session: Session, version: int) -> dict[str, Any]:
         "used": session.last_used, "dec": session.last_decision, "why": session.last_reason,
         "committed": _encode_committed(session.committed),
         "chain": _encode_chain(session.chain),
-        "turns": [[t.at, t.decision, t.prompt_tokens, t.cached_tokens, t.ttft_ms]
-                  for t in session.turns],
+        "turns": [[t.at, t.decision, t.prompt_tokens, t.cached_tokens, t.ttft_ms,
+                   t.prefill_ms] for t in session.turns],
         "repair": {"last_reply": memory.last_reply, "cut": memory.cut},
     }
 

@@ -574,7 +574,8 @@ class ParkManager:
                       error=str(exc))
         if session is not None and session.turns:
             turn = session.turns[-1]
-            self.speeds.saw_turn(turn.prompt_tokens, turn.cached_tokens, turn.ttft_ms)
+            self.speeds.saw_turn(turn.prompt_tokens, turn.cached_tokens,
+                                 turn.prefill_ms or turn.ttft_ms)
         restored = self._restored.pop(session_id, None)
         if restored is not None and session is not None and session.turns:
             self._judge_reuse(session, restored, session.turns[-1].cached_tokens)

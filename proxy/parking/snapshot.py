@@ -45,14 +45,15 @@ class Speeds:
     write_bps: float | None = None  # bytes a second a slot save wrote
 
     def saw_turn(self, prompt_tokens: int | None, cached_tokens: int | None,
-                 ttft_ms: float | None) -> None:
-        """A turn's figures: its new tokens over its time to first token (which also holds
+                 prefill_ms: float | None) -> None:
+        """A turn's figures: its new tokens over the time they took: the engine's own
+        prompt time where it reports one, else the time to first token (which also holds
         the queue and the first token: a speed on the low side, favouring snapshots)."""
-        if prompt_tokens is None or cached_tokens is None or not ttft_ms:
+        if prompt_tokens is None or cached_tokens is None or not prefill_ms:
             return
         new = prompt_tokens - cached_tokens
         if new >= MIN_MEASURED_TOKENS:
-            self.prefill_tps = _smoothed(self.prefill_tps, new * 1000 / ttft_ms)
+            self.prefill_tps = _smoothed(self.prefill_tps, new * 1000 / prefill_ms)
 
     def saw_save(self, n_bytes: int, seconds: float) -> None:
         if n_bytes > 0 and seconds > 0:

@@ -195,7 +195,7 @@ class AffinityPlanner:
         figures = outcome.figures
         session.turns.append(TurnFigures(time.time(), session.last_decision,
                                          figures.prompt_tokens, figures.cached_tokens,
-                                         outcome.ttft_ms))
+                                         outcome.ttft_ms, figures.prompt_ms))
         self.metrics.sessions.set(len(self.store))
         if not outcome.ok:
             return

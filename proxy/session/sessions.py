@@ -39,6 +39,7 @@ class TurnFigures:
     prompt_tokens: int | None
     cached_tokens: int | None
     ttft_ms: float | None
+    prefill_ms: float | None = None  # the engine's own prompt time, where it reports one
 
 
 @dataclass(slots=True)

@@ -50,9 +50,9 @@ def test_before_any_measure_a_snapshot_is_taken() -> None:
 
 def test_speeds_come_from_turns_that_prefilled_enough() -> None:
     speeds = Speeds()
-    speeds.saw_turn(prompt_tokens=1000, cached_tokens=990, ttft_ms=10.0)  # 10 new: not a measure
+    speeds.saw_turn(prompt_tokens=1000, cached_tokens=990, prefill_ms=10.0)  # 10 new: not a measure
     unmeasured = speeds.prefill_tps
-    speeds.saw_turn(prompt_tokens=1000, cached_tokens=0, ttft_ms=500.0)
+    speeds.saw_turn(prompt_tokens=1000, cached_tokens=0, prefill_ms=500.0)
     speeds.saw_save(n_bytes=1_000_000, seconds=0.01)
     assert (unmeasured, speeds.prefill_tps, speeds.write_bps) == (None, 2000.0, 1e8)
 
