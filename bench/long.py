@@ -1080,16 +1080,10 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
                     Arm("prefixpin", client(replica.url),
                         replica.process.pid, opening())]
 
-            def size_tools(first_prompt: int) -> int:
-                done.tool_chars = args.tool_chars or planned_tool_chars(
-                    args.target_tokens, first_prompt, args.min_messages, done.chars_per_token,
-                    args.user_every)
-                return done.tool_chars
-
             session = Session(arms, (engine_a.url, engine_b.url), args.max_tokens,
                               args.thinking)
             try:
-                grow(session, args, size_tools, done.turns)
+                grow(session, args, tool_sizer(args, done), done.turns)
                 done.first_proxy_cpu = final_cpu(replica.process.pid)
                 done.new, replica = new_session(session, proxy, replica, len(done.turns),
                                                 model)
@@ -1107,20 +1101,27 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
     return done
 
 
-def play_both_direct(args: argparse.Namespace, done: Run, urls: tuple[str, str]) -> Run:
-    """``--no-proxy``: the second arm sends to engine B itself, so the "added" TTFT is
-    the rig's own difference between its two engines (no proxy CPU is read)."""
-    arms = [Arm("direct", client(urls[0]), None, opening()),
-            Arm("prefixpin", client(urls[1]), None, opening())]
-
+def tool_sizer(args: argparse.Namespace, done: Run) -> Callable[[int], int]:
+    """The mean tool result from the first prompt (``--tool-chars``, else planned to reach
+    the target), recorded in ``done``."""
     def size_tools(first_prompt: int) -> int:
         done.tool_chars = args.tool_chars or planned_tool_chars(
             args.target_tokens, first_prompt, args.min_messages, done.chars_per_token,
             args.user_every)
         return done.tool_chars
 
+    return size_tools
+
+
+def play_both_direct(args: argparse.Namespace, done: Run, urls: tuple[str, str]) -> Run:
+    """``--no-proxy``: the second arm sends to engine B itself, so the "added" TTFT is
+    the rig's own difference between its two engines (no proxy CPU is read)."""
+    arms = [Arm("direct", client(urls[0]), None, opening()),
+            Arm("prefixpin", client(urls[1]), None, opening())]
+
     try:
-        grow(Session(arms, urls, args.max_tokens, args.thinking), args, size_tools, done.turns)
+        grow(Session(arms, urls, args.max_tokens, args.thinking), args, tool_sizer(args, done),
+             done.turns)
     except (RuntimeError, httpx.HTTPError) as exc:
         done.error = f"{type(exc).__name__}: {exc}"
     finally:
