@@ -23,7 +23,6 @@ messages (Anthropic's into chat messages) may hold what each one became beside i
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 from collections import OrderedDict
@@ -154,7 +153,7 @@ class BodyMemo:
         if held is None or not held.ends:
             return
         if converted is not None and len(converted) == len(held.messages):
-            held = dataclasses.replace(held, converted=converted)
+            held = _Held(held.raw, held.messages, held.ends, converted)
         with self._lock:
             if isinstance(parsed, Parsed):  # a session's next turn: its last one is done
                 self._drop(parsed.extends)
@@ -249,15 +248,25 @@ def _spells(string: bytes, wire: Wire) -> bool:
 
 
 def _shared_messages(raw: bytes, held: _Held) -> int:
-    """How many of ``held``'s messages ``raw`` holds byte for byte at the same offsets (a
-    turn keeps all of them, or all but its last one or two: tried first, then a
-    bisection)."""
-    ends, earlier = held.ends, held.raw
+    """How many of ``held``'s messages ``raw`` holds byte for byte at the same offsets. A
+    turn keeps all of them, or all but its last one or two: the bytes to the end of the
+    third last are compared once, then each of the last two by its own bytes (comparing
+    the whole prefix for each, a long history's bytes were compared three times); else a
+    bisection. The earlier body is compared through a view: a slice would copy it."""
+    ends, earlier = held.ends, memoryview(held.raw)
     count = len(ends)
-    for shared in (count, count - 1, count - 2):
-        if shared > 0 and raw.startswith(earlier[:ends[shared - 1]]):
-            return shared
-    low, high = 0, count - 3  # ``low`` messages are shared, ``high + 1`` are not
+    shared = max(count - 2, 1)
+    if not raw.startswith(earlier[:ends[shared - 1]]):
+        return _fewer_shared(raw, earlier, ends, shared - 1)
+    while shared < count and raw.startswith(earlier[ends[shared - 1]:ends[shared]],
+                                            ends[shared - 1]):
+        shared += 1
+    return shared
+
+
+def _fewer_shared(raw: bytes, earlier: memoryview, ends: tuple[int, ...], most: int) -> int:
+    """The messages shared, at most ``most`` (a bisection)."""
+    low, high = 0, most  # ``low`` messages are shared, ``high + 1`` are not
     while low < high:
         middle = (low + high + 1) // 2
         if raw.startswith(earlier[:ends[middle - 1]]):
