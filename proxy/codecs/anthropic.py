@@ -5,7 +5,8 @@ Read: the body is checked (``anthropic_convert.check_request``, after the struct
 every format has) and converted into an OpenAI chat body at once, the way llama-server
 converts it when it serves ``/v1/messages`` itself (``anthropic_convert.convert_request``),
 so identity, repair, fingerprints, pinning, parking and join work unchanged on
-``body["messages"]``; the engine is asked on ``/v1/chat/completions``.
+``body["messages"]``; the engine is asked on ``/v1/chat/completions``. A follow-up that
+resends the history parses, checks and converts only what it adds (``parse_messages``).
 
 Streamed: the headers and a ``: prefixpin`` comment at once, while the engine is silent a
 keep-alive (an SSE comment with the progress before ``message_start``, which comes first in
