@@ -5,7 +5,8 @@ Read: the body is checked (``anthropic_convert.check_request``, after the struct
 every format has) and converted into an OpenAI chat body at once, the way llama-server
 converts it when it serves ``/v1/messages`` itself (``anthropic_convert.convert_request``),
 so identity, repair, fingerprints, pinning, parking and join work unchanged on
-``body["messages"]``; the engine is asked on ``/v1/chat/completions``.
+``body["messages"]``; the engine is asked on ``/v1/chat/completions``. A follow-up that
+resends the history parses, checks and converts only what it adds (``parse_messages``).
 
 Streamed: the headers and a ``: prefixpin`` comment at once, while the engine is silent a
 keep-alive (an SSE comment with the progress before ``message_start``, which comes first in
@@ -55,11 +56,12 @@ from prefixpin.proxy.codecs.anthropic_convert import (
     answer_blocks,
     check_request,
     convert_message,
+    convert_messages,
     convert_request,
 )
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
-from prefixpin.proxy.pipeline.body_memo import BodyMemo
+from prefixpin.proxy.pipeline.body_memo import BodyMemo, Wire
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
@@ -68,10 +70,13 @@ from prefixpin.proxy.pipeline.validation import (
     Endpoint,
     check_field_types,
     check_messages,
+    checked_added,
     parse_checked,
+    without_engine_controls,
 )
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+ANTHROPIC = Wire("anthropic", "messages")  # its bodies, as the memo of resent ones holds them
 ENGINE_PATH = "/v1/chat/completions"
 
 # Anthropic's error types, by status (https://docs.anthropic.com/en/api/errors).
@@ -116,7 +121,7 @@ class AnthropicCodec:
 
     def parse(self, raw: bytes, path: str, *, max_messages: int,
               memo: BodyMemo | None = None) -> ClientRequest:
-        return parse_messages(raw, max_messages=max_messages)
+        return parse_messages(raw, max_messages=max_messages, memo=memo)
 
     def stream(self, client: ClientRequest, generation: Generation, *,
                fill_cached: bool) -> AnthropicStream:
@@ -146,19 +151,43 @@ class AnthropicCodec:
         return converted[0] if len(converted) == 1 else None
 
 
-def parse_messages(raw: bytes, *, max_messages: int) -> ClientRequest:
-    """The client's Anthropic body, checked, and the chat body it converts to."""
-    body = parse_checked(raw)
-    check_request(body, max_messages)
-    converted = convert_request(body)
+def parse_messages(raw: bytes, *, max_messages: int,
+                   memo: BodyMemo | None = None) -> ClientRequest:
+    """The client's Anthropic body, checked, and the chat body it converts to.
+
+    ``memo``: the parses of earlier bodies. A resent history keeps the earlier body's
+    message objects and what each converted to (the same chat message objects, whose
+    digests are then found by identity: ``DigestMemo``); only the messages it adds are
+    checked and converted (a message's checks and conversion read that message alone).
+    This body joins them once every check passed."""
+    resent = memo.loads(raw, ANTHROPIC) if memo is not None else None
+    if resent is not None and resent.converted is not None and checked_added(resent):
+        body, earlier = without_engine_controls(resent.value), resent.converted
+    else:
+        body, earlier, resent = parse_checked(raw), (), None
+    check_request(body, max_messages, start=len(earlier))
+    each = convert_messages(body["messages"], earlier)
+    converted = convert_request(body, each)
     messages = converted["messages"]  # (perhaps none: the engine judges, as llama-server)
     if len(messages) > max_messages:
         raise _bad(f"'messages' converts to {len(messages)} chat messages (each tool result "
                    f"is one); the limit is {max_messages}", "messages")
-    check_messages(messages, max_messages)
+    _check_converted(messages, max_messages, opening=len(messages) - sum(map(len, each)),
+                     reused=sum(map(len, earlier)))
     check_field_types(converted, FIELD_TYPES["chat"])
+    if memo is not None:
+        memo.keep(raw, resent if resent is not None else body, ANTHROPIC, converted=each)
     return ClientRequest("chat", ENGINE_PATH, converted, body.get("stream") is True,
                          False, False, "anthropic", source=body)
+
+
+def _check_converted(messages: list[dict[str, Any]], max_messages: int, *, opening: int,
+                     reused: int) -> None:
+    """The chat messages' checks: those before ``opening`` (the system message) and
+    those after the ``reused`` ones that follow it (an earlier body's conversions, checked
+    with it)."""
+    check_messages(messages[:opening], max_messages)
+    check_messages(messages, max_messages, start=opening + reused)
 
 
 def _bad(message: str, param: str) -> BadRequestError:

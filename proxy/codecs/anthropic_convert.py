@@ -101,8 +101,12 @@ def normalize_billing_header(text: str) -> str:
     return text
 
 
-def convert_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The OpenAI chat body of an Anthropic Messages body (checked by ``check_request``)."""
+def convert_request(body: Mapping[str, Any],
+                    converted: Sequence[Sequence[dict[str, Any]]] | None = None
+                    ) -> dict[str, Any]:
+    """The OpenAI chat body of an Anthropic Messages body (checked by ``check_request``);
+    ``converted``: what each of its messages converts to (``convert_messages``), where the
+    caller has it."""
     out: dict[str, Any] = {}
     if "model" in body:
         out["model"] = body["model"]
@@ -110,8 +114,8 @@ def convert_request(body: Mapping[str, Any]) -> dict[str, Any]:
     system = body.get("system")
     if system is not None:
         messages.append({"role": "system", "content": system_text(system)})
-    for message in body["messages"]:
-        messages += convert_message(message)
+    for each in convert_messages(body["messages"]) if converted is None else converted:
+        messages += each
     out["messages"] = messages
     tools = body.get("tools")
     if isinstance(tools, list):
@@ -157,6 +161,16 @@ def system_text(system: object) -> str:
         return "".join(normalize_billing_header(_text(block, "text")) for block in system
                        if _text(block, "type") == "text")
     return ""
+
+
+def convert_messages(messages: Sequence[Mapping[str, Any]],
+                     earlier: tuple[tuple[dict[str, Any], ...], ...] = ()
+                     ) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """What each message converts to. ``earlier``: what the first of them converted to
+    with an earlier body, the same objects (``proxy.pipeline.body_memo``): a message's
+    conversion reads that message alone, so only the rest are converted."""
+    return (*earlier, *(tuple(convert_message(message))
+                        for message in messages[len(earlier):]))
 
 
 def convert_message(message: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -280,10 +294,11 @@ def _integer(value: object, default: int) -> int:
 # -- what is refused ---------------------------------------------------------------------
 
 
-def check_request(body: Mapping[str, Any], max_messages: int) -> None:
-    """The Anthropic body's own rules, each refusal naming its field."""
+def check_request(body: Mapping[str, Any], max_messages: int, *, start: int = 0) -> None:
+    """The Anthropic body's own rules, each refusal naming its field. ``start``: the
+    messages before it were checked with an earlier body (``check_messages``)."""
     check_field_types(body, FIELD_TYPES)
-    check_messages(body.get("messages"), max_messages)
+    check_messages(body.get("messages"), max_messages, start=start)
     system = body.get("system")
     if isinstance(system, list):
         for index, block in enumerate(system):
@@ -302,14 +317,17 @@ def check_request(body: Mapping[str, Any], max_messages: int) -> None:
         _refuse("stop_sequences", "must be an array of strings")
 
 
-def check_messages(messages: object, max_messages: int) -> None:
+def check_messages(messages: object, max_messages: int, *, start: int = 0) -> None:
+    """``start``: the messages before it were checked with an earlier body (a message's
+    checks read that message alone)."""
     if not isinstance(messages, list):
         _refuse("messages", "is required and must be an array")
     # An empty list converts to an empty chat one, which the engine judges (llama-server
     # generates from the template's empty prompt, as its own /v1/messages does).
     if len(messages) > max_messages:
         _refuse("messages", f"has {len(messages)} entries; the limit is {max_messages}")
-    for index, message in enumerate(messages):
+    for index in range(start, len(messages)):
+        message = messages[index]
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
             _refuse(where, "must be an object")

@@ -7,7 +7,9 @@ completions body (``ClientRequest.body``, asked on ``/v1/chat/completions``) by
 identity, repair, fingerprints, pinning, parking and join all work on ``messages`` and the
 engine renders and samples as its own ``/v1/responses`` would. The same structural rules
 as every format (size, nesting, surrogates, NaN) apply first, then the Responses field
-types, then the converted messages go through the chat message checks.
+types, then the converted messages go through the chat message checks. A follow-up that
+resends the ``input`` converts and checks only the items from its last final message on
+(``ResponsesCodec.parse``, ``responses_convert.convert_input``).
 
 What is not stored, and so refused or said: this proxy and the engine keep no responses.
 ``previous_response_id``, ``conversation`` and ``prompt`` (stored state) are 400s naming
@@ -84,6 +86,7 @@ from prefixpin.core.frames import Frame, FrameKind
 from prefixpin.core.sse import encode_comment
 from prefixpin.proxy.codecs.openai_sse import OPENING, SSE_HEADERS, SSE_MEDIA_TYPE
 from prefixpin.proxy.codecs.responses_convert import (
+    convert,
     fallback_call_id,
     function_call_item,
     message_item,
@@ -91,10 +94,9 @@ from prefixpin.proxy.codecs.responses_convert import (
     output_text_part,
     reasoning_item,
     reply_message,
-    to_chat,
 )
 from prefixpin.proxy.pipeline.aggregate import aggregate, assistant_message
-from prefixpin.proxy.pipeline.body_memo import BodyMemo
+from prefixpin.proxy.pipeline.body_memo import BodyMemo, Wire
 from prefixpin.proxy.pipeline.generation import Generation
 from prefixpin.proxy.pipeline.validation import (
     FIELD_TYPES,
@@ -109,11 +111,14 @@ from prefixpin.proxy.pipeline.validation import (
     Endpoint,
     check_field_types,
     check_messages,
+    checked_added,
     optional_bool,
     parse_checked,
+    without_engine_controls,
 )
 
 ENGINE_PATH = "/v1/chat/completions"
+RESPONSES = Wire("responses", "input")  # its bodies, as the memo of resent ones holds them
 # The Responses request fields the proxy checks; null always passes. ``input`` and
 # ``tools`` are checked by the conversion, item by item.
 FIELD_TYPES_RESPONSES: dict[str, tuple[str, ...]] = {
@@ -159,22 +164,36 @@ class ResponsesCodec:
 
     def parse(self, raw: bytes, path: str, *, max_messages: int,
               memo: BodyMemo | None = None) -> ClientRequest:
-        source = parse_checked(raw)
+        """``memo``: the parses of earlier bodies. A resent ``input`` keeps the earlier
+        body's items and the chat messages they made that are final (``convert_input``),
+        the same objects (their digests are then found by identity: ``DigestMemo``); the
+        rest is checked and converted. This body joins them once every check passed."""
+        resent = memo.loads(raw, RESPONSES) if memo is not None else None
+        if resent is not None and resent.converted is not None and checked_added(resent):
+            source, earlier = without_engine_controls(resent.value), resent.converted
+        else:
+            source, earlier, resent = parse_checked(raw), (), None
         check_field_types(source, FIELD_TYPES_RESPONSES)
         reasoning = source.get("reasoning")
         if isinstance(reasoning, Mapping):
             check_field_types({f"reasoning.{k}": v for k, v in reasoning.items()},
                                {f"reasoning.{k}": t for k, t in _REASONING_FIELDS.items()})
         stream = optional_bool(source, "stream")
-        body = to_chat(source)
+        converted = convert(source, earlier)
+        body = converted.body
         messages = body["messages"]
         if not messages:
             raise BadRequestError("'input' must contain at least one item", param="input")
         if len(messages) > max_messages:
             raise BadRequestError(f"'input' makes {len(messages)} messages; the limit is "
                                   f"{max_messages}", param="input")
-        check_messages(messages, max_messages)
+        # The messages taken from the earlier body were checked with it.
+        check_messages(messages[:converted.opening], max_messages)
+        check_messages(messages, max_messages, start=converted.opening + converted.reused)
         check_field_types(body, FIELD_TYPES["chat"])
+        if memo is not None:
+            memo.keep(raw, resent if resent is not None else source, RESPONSES,
+                      converted=converted.opened)
         return ClientRequest("chat", ENGINE_PATH, body, stream, True,
                              optional_bool(source, "return_progress"), "responses",
                              source=source)

@@ -57,6 +57,7 @@ commits is byte for byte the message the next request's conversion will contain.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prefixpin.core.errors import BadRequestError
@@ -92,9 +93,26 @@ INPUT_ROLES = frozenset({"user", "system", "developer"})
 _RENDERED_KEYS = ("name",)
 
 
+@dataclass(frozen=True, slots=True)
+class Converted:
+    """A Responses body as a chat body, with what the memo of resent bodies holds of it."""
+
+    body: dict[str, Any]
+    opened: tuple[dict[str, Any] | None, ...]  # per input item: ``convert_input``
+    opening: int  # the chat messages before the input's (the instructions)
+    reused: int  # the input's chat messages after them taken from an earlier body
+
+
 def to_chat(source: Mapping[str, Any]) -> dict[str, Any]:
     """The chat-completions body llama-server's ``/v1/responses`` would build from
     ``source``, the differences above included. ``BadRequestError`` naming the field."""
+    return convert(source).body
+
+
+def convert(source: Mapping[str, Any],
+            earlier: Sequence[dict[str, Any] | None] = ()) -> Converted:
+    """``to_chat``, the chat messages of the first input items taken from ``earlier``
+    where they are final (``convert_input``)."""
     if "input" not in source:
         raise BadRequestError("'input' is required", param="input")
     for name in STATEFUL:
@@ -113,7 +131,8 @@ def to_chat(source: Mapping[str, Any]) -> dict[str, Any]:
         # llama-server: json_value(body, "instructions", ""), so null is an empty system
         # message (and a rendered one: it replaces a template's default system prompt).
         messages.append({"role": "system", "content": instructions or ""})
-    convert_input(source["input"], messages)
+    opening = len(messages)
+    opened, reused = convert_input(source["input"], messages, earlier)
     body["messages"] = messages
     if "tools" in body:
         tools = convert_tools(body.pop("tools"))
@@ -127,22 +146,49 @@ def to_chat(source: Mapping[str, Any]) -> dict[str, Any]:
         reasoning = body.pop("reasoning")
         if isinstance(reasoning, Mapping) and "effort" in reasoning:
             body["reasoning_effort"] = reasoning["effort"]
-    return body
+    return Converted(body, opened, opening, reused)
 
 
-def convert_input(value: object, messages: list[dict[str, Any]]) -> None:
-    """Append the chat messages of a Responses ``input`` (a string, or a list of items)."""
+def convert_input(value: object, messages: list[dict[str, Any]],
+                  earlier: Sequence[dict[str, Any] | None] = ()
+                  ) -> tuple[tuple[dict[str, Any] | None, ...], int]:
+    """Append the chat messages of a Responses ``input`` (a string, or a list of items).
+    Returns, per item, the message it opened (None: it added to the message before it,
+    or nothing), and how many messages were taken from ``earlier``.
+
+    ``earlier``: what the first items opened with an earlier body whose first items were
+    these (``proxy.pipeline.body_memo``). An item adds only to the last message, so once a
+    later item opened another, a message is final: the messages before the last item of
+    ``earlier`` that opened one are taken as they are (the same objects), and the items
+    from that one on are converted again (it opens its message again: the same item after
+    the same message)."""
     if isinstance(value, str):
         messages.append({"role": "user", "content": value})
-        return
+        return (), 0
     if not isinstance(value, list):
         raise BadRequestError("'input' must be a string or an array of objects", param="input")
+    resume = _last_opening(earlier)
+    opened = list(earlier[:resume])
+    kept = [message for message in opened if message is not None]
+    messages += kept
     start = len(messages)
-    for index, item in enumerate(value):
+    for index in range(resume, len(value)):
+        item = value[index]
         if not isinstance(item, Mapping):
             raise BadRequestError(f"'input[{index}]' must be an object", param=f"input[{index}]")
+        count = len(messages)
         _convert_item(f"input[{index}]", item, messages)
-    _assistant_text(messages, start)
+        opened.append(messages[-1] if len(messages) > count else None)
+    _assistant_text(messages, start)  # (the kept ones had theirs with the earlier body)
+    return tuple(opened), len(kept)
+
+
+def _last_opening(opened: Sequence[dict[str, Any] | None]) -> int:
+    """The index of the last item that opened a message (0 where none did)."""
+    for index in range(len(opened) - 1, -1, -1):
+        if opened[index] is not None:
+            return index
+    return 0
 
 
 def _assistant_text(messages: list[dict[str, Any]], start: int = 0) -> None:

@@ -221,7 +221,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     (checked then: only the messages it adds are checked again); this body joins them
     once every check passed."""
     resent = memo.loads(raw) if memo is not None and endpoint == "chat" else None
-    if resent is not None and _checked_added(resent):
+    if resent is not None and checked_added(resent):
         body, checked = without_engine_controls(resent.value), resent.reused
     else:
         body, checked, resent = parse_checked(raw), 0, None
@@ -242,12 +242,12 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
                          optional_bool(body, "return_progress"))
 
 
-def _checked_added(resent: Parsed) -> bool:
+def checked_added(resent: Parsed) -> bool:
     """``parse_checked``'s checks of a resent body's new parts (its fields and the
     messages it adds), False where it must be parsed whole (a huge float: maybe an
     integer to read exactly)."""
-    value = resent.value
-    return not _checked_holds_huge_float({**value, "messages": value["messages"][resent.reused:]})
+    value, array = resent.value, resent.wire.array
+    return not _checked_holds_huge_float({**value, array: value[array][resent.reused:]})
 
 
 def _check_one_choice(body: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from prefixpin.core.errors import BadRequestError
-from prefixpin.proxy.pipeline.body_memo import MIN_BYTES, BodyMemo
+from prefixpin.proxy.pipeline.body_memo import CHAT, MIN_BYTES, BodyMemo, Wire
 from prefixpin.proxy.pipeline.validation import parse_request
 
 TRICKY = ['say "messages": [1, {2}]', "a \\\"quoted\\\" ]} brace", "ünïcödé ✓ \u2028",
@@ -161,3 +161,65 @@ def test_engine_controls_are_dropped_from_a_resent_body() -> None:
                           "/v1/chat/completions", max_messages=100, memo=memo)
     assert "id_slot" not in again.body
     assert "cache_prompt" not in again.body
+
+
+def test_an_array_key_given_again_after_the_array_is_left_to_the_whole_parse() -> None:
+    """A parse keeps a repeated key's last value: the array the scan found is not the
+    parse's then, whether the key comes again as its bytes or spelled with escapes."""
+    memo = BodyMemo()
+    history = [system(), {"role": "user", "content": "hi"}]
+    raw = body(history)
+    memo.keep(raw, orjson.loads(raw))
+    for again in (b', "messages": []}', b', "messag\\u0065s": []}'):
+        repeated = raw[:-1] + again
+        assert orjson.loads(repeated)["messages"] == []
+        assert memo.loads(repeated) is None
+    # The key's bytes elsewhere after the array (a nested field, a value) are no repeat.
+    nested = body(history, tools=[{"messages": 1}], note="messages", other="\\u00e9")
+    parsed = memo.loads(nested)
+    assert parsed is not None
+    assert parsed.value == orjson.loads(nested)
+
+
+def test_a_body_parsed_whole_with_its_array_key_repeated_is_not_held() -> None:
+    memo = BodyMemo()
+    first = [system(), {"role": "user", "content": "A"}]
+    kept = [system(), {"role": "user", "content": "B"}]
+    raw = body(first)[:-1] + b', "messages": ' + json.dumps(kept).encode() + b"}"
+    memo.keep(raw, orjson.loads(raw))
+    assert memo.held_bytes == 0
+    follow_up = body([*first, {"role": "user", "content": "C"}])
+    assert memo.loads(follow_up) is None
+
+
+def test_a_format_reuses_only_its_own_bodies_and_their_conversions() -> None:
+    """Each format checks a message by its own rules: a body held for one lends nothing to
+    another's. What a format's conversion made of each message comes back with it."""
+    other = Wire("other", "messages")
+    memo = BodyMemo()
+    history = [system(), {"role": "user", "content": "hi"}]
+    raw = body(history)
+    memo.keep(raw, orjson.loads(raw))
+    follow_up = body([*history, {"role": "user", "content": "more"}])
+    assert memo.loads(follow_up, other) is None
+    memo.keep(raw, orjson.loads(raw), other, converted=("system", "hi"))
+    parsed = memo.loads(follow_up, other)
+    assert parsed is not None
+    assert parsed.wire == other
+    assert parsed.reused == 2
+    assert parsed.converted == ("system", "hi")
+    assert memo.loads(follow_up, CHAT) is not None  # the chat body is still held
+
+
+def test_an_array_under_another_key() -> None:
+    inputs = Wire("inputs", "input")
+    memo = BodyMemo()
+    items = [system(), {"role": "user", "content": "hi"}]
+    raw = json.dumps({"model": "m", "input": items}).encode()
+    memo.keep(raw, orjson.loads(raw), inputs)
+    follow_up = json.dumps({"model": "m", "input": [*items, {"type": "x"}]}).encode()
+    parsed = memo.loads(follow_up, inputs)
+    assert parsed is not None
+    assert parsed.reused == 2
+    assert parsed.value == orjson.loads(follow_up)
+    assert parsed.converted is None  # none was held
