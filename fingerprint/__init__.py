@@ -28,6 +28,7 @@ from prefixpin.fingerprint.messages import (
     MessageTokenCache,
     chain_for_messages,
     edge_texts,
+    extend_prefix_keys,
     fingerprint_view,
     prefix_keys,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "chain_for_messages",
     "edge_texts",
     "extend",
+    "extend_prefix_keys",
     "fingerprint_view",
     "nominates",
     "prefix_keys",

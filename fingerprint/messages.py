@@ -210,8 +210,15 @@ def prefix_keys(digests: Sequence[bytes], scope: bytes = b"") -> list[bytes]:
     ``digests`` are per-message digests of the bytes the client sent (any collision-
     resistant digest): equal keys mean equal message prefixes in the same scope.
     """
+    return extend_prefix_keys(blake3(_PREFIX_DOMAIN + _scoped(scope)).digest(), digests)
+
+
+def extend_prefix_keys(last: bytes, digests: Sequence[bytes]) -> list[bytes]:
+    """The keys of the prefixes that ``digests`` add to the prefix whose key is ``last``:
+    ``prefix_keys(a + b, scope)`` is ``prefix_keys(a, scope)`` followed by
+    ``extend_prefix_keys(prefix_keys(a, scope)[-1], b)``."""
     keys: list[bytes] = []
-    previous = blake3(_PREFIX_DOMAIN + _scoped(scope)).digest()
+    previous = last
     for message_digest in digests:
         previous = blake3(previous + message_digest).digest()
         keys.append(previous)

@@ -55,7 +55,7 @@ from prefixpin.proxy.pipeline.body_memo import BodyMemo
 from prefixpin.proxy.pipeline.inflight import InFlight
 from prefixpin.proxy.pipeline.records import Incoming
 from prefixpin.proxy.pipeline.shared import SharedStateError
-from prefixpin.proxy.pipeline.system_turns import has_mid_system, in_place
+from prefixpin.proxy.pipeline.system_turns import SystemTurns
 from prefixpin.proxy.pipeline.validation import BodyBudget, ClientRequest, read_body
 from prefixpin.proxy.session.affinity import planned_body
 from prefixpin.proxy.session.history import DigestMemo
@@ -87,6 +87,7 @@ class Router:
         self.bodies = bodies  # --max-bodies: every body's bytes while it is read and parsed
         self.digests = DigestMemo()  # the messages of recent requests (Incoming.of)
         self.resent = BodyMemo()  # the parses of recent bodies, for the turns resending them
+        self.system_turns = SystemTurns()  # mid-conversation system messages, rewritten
 
     # -- the request path -------------------------------------------------------------
 
@@ -166,9 +167,9 @@ class Router:
         except ProxyError:
             self.metrics.requests.labels(client.endpoint, "client_error", client.api).inc()
             raise
-        if lane.mid_system_in_place and has_mid_system(client.body.get("messages")):
-            client = dataclasses.replace(
-                client, body={**client.body, "messages": in_place(client.body["messages"])})
+        if lane.mid_system_in_place and (
+                rewritten := self.system_turns.in_place(client.body.get("messages"))):
+            client = dataclasses.replace(client, body={**client.body, "messages": rewritten})
         incoming = Incoming.of(client, codec, headers, namespace, placement, moved,
                                memo=self.digests)
         return await lane.handle(request, incoming)

@@ -19,11 +19,13 @@ template refuses a mid-conversation system message get it (asked once per engine
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import UpstreamError
+from prefixpin.proxy.session.resent import PrefixMemo
 
 OPEN, CLOSE = "<system-reminder>\n", "\n</system-reminder>"
 
@@ -65,6 +67,30 @@ def has_mid_system(messages: object) -> bool:
 def in_place(messages: Sequence[Any]) -> list[Any]:
     """``messages`` with every system message after the first position as a user turn."""
     return [messages[0], *(_as_user_turn(m) for m in messages[1:])] if messages else []
+
+
+class SystemTurns:
+    """``in_place`` for a router's requests: a follow-up's resent messages (the earlier
+    request's objects) take their earlier rewrites, the very same objects, so only what
+    the turn added is looked at, and later stages find the rewritten messages by identity
+    as they find the client's."""
+
+    def __init__(self) -> None:
+        self._rewritten: PrefixMemo[Any] = PrefixMemo()
+
+    def in_place(self, messages: object) -> list[Any] | None:
+        """``in_place(messages)``, or None where no message past the first is a system
+        message (nothing to rewrite)."""
+        if not isinstance(messages, list) or len(messages) < 2:
+            return None
+        done = self._rewritten.shared(messages)
+        rest = messages[len(done):]
+        if not done:
+            out = [messages[0], *(_as_user_turn(m) for m in rest[1:])]
+        else:
+            out = [*done, *(_as_user_turn(m) for m in rest)]
+        self._rewritten.keep(messages, out)
+        return None if all(map(operator.is_, out, messages)) else out
 
 
 def _as_user_turn(message: Any) -> Any:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import blake3
 import orjson
+
+from prefixpin.proxy.session.resent import PrefixMemo
 
 # Request fields that change the prompt a chat template renders (tools go into the system
 # turn, kwargs switch template branches) or the model that holds the cache. The last ones
@@ -131,12 +133,15 @@ class DigestMemo:
         self._objects: OrderedDict[int, tuple[Any, bytes, int]] = OrderedDict()
         self._object_bytes = 0
         self._max_objects = max_objects
+        # a follow-up's resent messages, the earlier list's own objects: their digests at
+        # once, without a lookup per message
+        self._resent: PrefixMemo[bytes] = PrefixMemo(items=max_objects)
 
-    def digests(self, messages: Iterable[Any]) -> list[bytes]:
+    def digests(self, messages: Sequence[Any]) -> list[bytes]:
         """``digest`` of each message, in order."""
-        out: list[bytes] = []
+        out = list(self._resent.shared(messages))
         objects = self._objects
-        for message in messages:
+        for message in messages[len(out):]:
             known = objects.get(id(message))
             if known is not None and known[0] is message:
                 objects.move_to_end(id(message))
@@ -151,6 +156,7 @@ class DigestMemo:
         while objects and (len(objects) > self._max_objects
                            or self._object_bytes > self._max_bytes):
             self._object_bytes -= objects.popitem(last=False)[1][2]
+        self._resent.keep(messages, out)
         return out
 
     def _digest(self, message: Any) -> tuple[bytes, int]:

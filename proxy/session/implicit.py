@@ -21,7 +21,6 @@ from prefixpin.fingerprint import (
     Markers,
     MessageTokenCache,
     chain,
-    prefix_keys,
     start_chain,
 )
 from prefixpin.fingerprint.tokenizer import (
@@ -31,6 +30,7 @@ from prefixpin.fingerprint.tokenizer import (
     markers_for,
 )
 from prefixpin.proxy.ops.logs import log_event
+from prefixpin.proxy.session.resent import PrefixKeys
 
 Message = Mapping[str, Any]
 Normalize = Callable[[Sequence[Message]], Sequence[Message]]
@@ -46,6 +46,8 @@ class Fingerprinter:
         self.markers = markers
         self.cache = MessageTokenCache()
         self.memo = ChainMemo()
+        # a follow-up's digests are the earlier request's objects up to what it added
+        self._keys = PrefixKeys()
 
     async def chain_of_messages(self, messages: Sequence[Message], digests: Sequence[bytes],
                                 normalize: Normalize, namespace: str) -> Chain:
@@ -55,7 +57,7 @@ class Fingerprinter:
         requests put in the caches, only its own find (no tenant learns from the timing
         whether another sent the same text)."""
         scope = namespace.encode()
-        keys = prefix_keys(digests, scope)
+        keys = self._keys(digests, scope)
         covered, known = self.memo.longest(keys)
         base = known if known is not None else start_chain(self.markers.openers)
         if covered == len(messages):

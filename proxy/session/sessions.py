@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -116,6 +116,9 @@ class SessionStore:
         self._order: dict[str, int] = {}
         self._keyed: dict[tuple[str, str], dict[str, Session]] = {}  # (namespace, key)
         self._nominees: dict[_IndexKey, dict[str, Session]] = {}
+        # per namespace, the committed lengths some "history" bucket has (with the number
+        # of buckets): a request looks up only those, not every one of its message counts
+        self._lengths: dict[str, Counter[int]] = {}
         self._indexed: dict[str, tuple[_IndexKey, ...]] = {}  # per session, its index keys
         self._max = max_sessions
         self._max_ns = max_per_namespace or max_sessions
@@ -209,8 +212,8 @@ class SessionStore:
         and with ``prompt`` every one holding a raw prompt. Every session a scan of all the
         keyless ones (``keyless``) would keep is among them, in the same order."""
         index = self._nominees
-        buckets = [bucket for n, message in enumerate(digests, start=1)
-                   if (bucket := index.get((namespace, "history", n, message)))]
+        buckets = [bucket for n in self._history_lengths(namespace, len(digests))
+                   if (bucket := index.get((namespace, "history", n, digests[n - 1])))]
         if chain is not None and (bucket := index.get((namespace, "chain", 0, chain))):
             buckets.append(bucket)
         if prompt and (bucket := index.get((namespace, "prompt", 0, b""))):
@@ -221,6 +224,16 @@ class SessionStore:
         for bucket in buckets:
             found.update(bucket)
         return self._newest_first_of(found)
+
+    def _history_lengths(self, namespace: str, most: int) -> list[int]:
+        """The committed lengths up to ``most`` that a "history" bucket of ``namespace``
+        has, in increasing order."""
+        lengths = self._lengths.get(namespace)
+        if not lengths:
+            return []
+        if len(lengths) >= most:
+            return [n for n in range(1, most + 1) if n in lengths]
+        return sorted(n for n in lengths if n <= most)
 
     def namespaces(self) -> dict[str, list[Session]]:
         grouped: dict[str, list[Session]] = {}
@@ -269,7 +282,10 @@ class SessionStore:
             return
         self._unindex(session, before)
         for index_key in after:
-            self._nominees.setdefault(index_key, {})[session.id] = session
+            bucket = self._nominees.setdefault(index_key, {})
+            if not bucket:
+                self._count_bucket(index_key, 1)
+            bucket[session.id] = session
         if after:
             self._indexed[session.id] = after
 
@@ -280,6 +296,18 @@ class SessionStore:
                 del bucket[session.id]
                 if not bucket:
                     del self._nominees[index_key]
+                    self._count_bucket(index_key, -1)
+
+    def _count_bucket(self, index_key: _IndexKey, change: int) -> None:
+        namespace, kind, length, _ = index_key
+        if kind != "history":
+            return
+        lengths = self._lengths.setdefault(namespace, Counter())
+        lengths[length] += change
+        if lengths[length] <= 0:
+            del lengths[length]
+            if not lengths:
+                del self._lengths[namespace]
 
     def _expire(self) -> None:
         cutoff = time.time() - self._ttl_s
