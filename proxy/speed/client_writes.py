@@ -127,10 +127,12 @@ class BatchedTransport(asyncio.Transport):
         kept = self._kept
         if not kept:
             return
-        self._kept, self._kept_bytes = [], 0
+        data = kept[0] if len(kept) == 1 else b"".join(kept)
+        kept.clear()  # (the same list again: not one made per connection per turn)
+        self._kept_bytes = 0
         if self._transport.is_closing():
             return  # the connection went meanwhile (its loss closed the socket): nobody reads
-        self._transport.write(kept[0] if len(kept) == 1 else b"".join(kept))
+        self._transport.write(data)
 
     def close(self) -> None:
         self.flush()
