@@ -386,9 +386,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled = nbytes >= self._offered
-        self.data_received(bytes(self._read_buffer[:nbytes]))
+        # The parser reads a view of the buffer as it reads bytes (what it hands on, a
+        # body chunk, a header, is its own copy): no copy of the read is made for it.
+        self.data_received(self._read_buffer[:nbytes])
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if not self._in_request or self.complete:
             self._broken()  # bytes nobody asked for: never reuse this connection
             return

@@ -123,8 +123,9 @@ class SameShapeTokens:
                     text = orjson.loads(chunk[start:end + 1])
                 except orjson.JSONDecodeError:
                     text = None
-                if type(text) is str:
-                    return _token_frame(chunk, self._field, self._figured, text)
+                if type(text) is str:  # a plain chunk whose one delta field holds ``text``
+                    return Frame.text_chunk(chunk, chunk[6:-2], self._field, text,
+                                            self._figured)
         if not self._learning:
             return classify_whole(chunk)
         parsed = _whole_object(chunk)
@@ -168,15 +169,6 @@ class SameShapeTokens:
         else:
             self._head = self._tail = b""
             self._learning = False
-
-
-def _token_frame(raw: bytes, field: str | None, figured: bool | None, text: str) -> Frame:
-    """The frame of a token event of a learned shape (``raw``: ``data: {...}\n\n``): a
-    plain chunk whose one delta field holds ``text``."""
-    frame = Frame.unparsed(_CHUNK, raw, raw[6:-2], None, True, False)
-    frame.figured = figured
-    frame.delta_field, frame.delta_text = field, text
-    return frame
 
 
 def _only_the_text_between(chunk: bytes, start: int, end: int, data: dict[str, Any],
@@ -238,10 +230,7 @@ def _plain_text_chunk(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Fr
     ((field, value),) = delta.items()
     if type(value) is not str or not value or field not in _TEXT_FIELDS:
         return None
-    frame = Frame.unparsed(_CHUNK, raw, text, None, True, False)
-    frame.figured = "timings" in data or "usage" in data
-    frame.delta_field, frame.delta_text = field, value
-    return frame
+    return Frame.text_chunk(raw, text, field, value, "timings" in data or "usage" in data)
 
 
 def _classify_object(raw: bytes, text: str | bytes, data: dict[str, Any]) -> Frame:

@@ -30,6 +30,7 @@ class FrameKind(enum.Enum):
 
 
 _UNPARSED: Any = object()  # a frame's data not parsed yet (``Frame.unparsed``)
+_CHUNK = FrameKind.CHUNK  # read per token (``Frame.text_chunk``): a global, not an enum lookup
 
 
 class Frame:
@@ -81,6 +82,18 @@ class Frame:
         frame.kind, frame.raw, frame._data, frame._payload = kind, raw, _UNPARSED, payload
         frame.progress, frame.has_output, frame._finish = progress, has_output, finish
         frame.delta_field = frame.delta_text = frame.figured = None
+        return frame
+
+    @classmethod
+    def text_chunk(cls, raw: bytes, payload: str | bytes, field: str | None,
+                   text: str | None, figured: bool | None) -> Frame:
+        """``unparsed`` for a plain output chunk whose delta's one text field is known:
+        the bulk of a chat stream, one frame per token, so made in one call with each
+        field set once."""
+        frame = cls.__new__(cls)
+        frame.kind, frame.raw, frame._data, frame._payload = _CHUNK, raw, _UNPARSED, payload
+        frame.progress, frame.has_output, frame._finish = None, True, False
+        frame.delta_field, frame.delta_text, frame.figured = field, text, figured
         return frame
 
     @property

@@ -32,15 +32,13 @@ class SSEDecoder:
         self._max_event_bytes = max_event_bytes
         self._scanned = 0  # the buffer holds no event end before this offset
         self._cr = False
-
-    @property
-    def idle(self) -> bool:
-        """No part of an event is held, and no CR was seen (a CR switches to the line
-        endings' general search for the rest of the stream)."""
-        return not self._buffer and not self._cr
+        # No part of an event is held, and no CR was seen (a CR switches to the line
+        # endings' general search for the rest of the stream). Kept as the buffer and the CR
+        # change, not computed: it is read once per engine read (``adapters.http``).
+        self.idle = True
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        if not self._buffer and not self._cr and b"\r" not in chunk:
+        if self.idle and b"\r" not in chunk:
             if (data := one_data_line(chunk)) is not None:
                 # The read of a token stream: one event of one data line, whole (what
                 # ``_feed_whole`` and ``_parse_block`` make of it, without their calls).
@@ -63,6 +61,7 @@ class SSEDecoder:
             start = after
         if start:
             del buffer[:start]
+        self.idle = not buffer and not self._cr
         self._scanned = max(0, len(buffer) - 3)  # a separator may straddle the next chunk
         if len(buffer) > self._max_event_bytes:
             raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
@@ -83,6 +82,7 @@ class SSEDecoder:
         if start < len(chunk):
             rest = chunk[start:] if start else chunk
             self._buffer += rest
+            self.idle = False
             self._scanned = max(0, len(rest) - 3)
             if len(rest) > self._max_event_bytes:
                 raise ValueError(f"SSE event larger than {self._max_event_bytes} bytes")
@@ -93,10 +93,12 @@ class SSEDecoder:
         if not self._buffer.strip():
             self._buffer.clear()
             self._scanned = 0
+            self.idle = not self._cr
             return []
         raw = bytes(self._buffer)
         self._buffer.clear()
         self._scanned = 0
+        self.idle = not self._cr
         return [_parse_block(raw, raw + b"\n\n")]
 
 

@@ -112,7 +112,12 @@ def assistant_message(frames: Sequence[Frame]) -> dict[str, Any] | None:
             # its adapter read the one text field of choice 0's delta: no parse
             if first is None:
                 first = _state_at(choices, 0, True)
-            first._fold_field(field, text)
+            if field == "content":  # ``_fold_field``'s first case, the bulk of a reply
+                if (content := first.content) is None:
+                    content = first.content = []
+                content.append(text)
+            else:
+                first._fold_field(field, text)
             continue
         data = frame.data
         listed = data.get("choices") if data is not None else None

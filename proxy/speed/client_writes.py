@@ -47,14 +47,14 @@ class WriteBatch:
     """The connections of one loop that have bytes waiting, flushed at the end of the
     loop's turn, or sooner once the first of them has waited ``HOLD_S``."""
 
-    __slots__ = ("_deadline", "_scheduled", "loop", "waiting")
+    __slots__ = ("_scheduled", "deadline", "loop", "waiting")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         # The connections with bytes kept, in the order of their first write this turn.
         self.waiting: list[BatchedTransport] = []
         self._scheduled = False
-        self._deadline = 0.0
+        self.deadline = 0.0  # when the bytes kept first this turn have waited ``HOLD_S``
 
     def join(self, transport: BatchedTransport) -> None:
         """``transport`` has bytes to send (its first write since it was flushed)."""
@@ -63,12 +63,12 @@ class WriteBatch:
             if not self._scheduled:
                 self._scheduled = True
                 self.loop.call_soon(self._end_of_turn)
-            self._deadline = time.monotonic() + HOLD_S
-        elif time.monotonic() >= self._deadline:
+            self.deadline = time.monotonic() + HOLD_S
+        elif time.monotonic() >= self.deadline:
             # A long turn (a burst of new requests, each planned in its task's step): the
             # bytes kept so far leave now, not after every step queued before the flush.
             self.flush()
-            self._deadline = time.monotonic() + HOLD_S
+            self.deadline = time.monotonic() + HOLD_S
         waiting.append(transport)
 
     def _end_of_turn(self) -> None:
@@ -109,7 +109,11 @@ class BatchedTransport(asyncio.Transport):
             if self._transport.is_closing():
                 self._transport.write(data)  # the socket's own answer to a late write
                 return
-            self._batch.join(self)
+            batch = self._batch
+            if batch.waiting and time.monotonic() < batch.deadline:
+                batch.waiting.append(self)  # ``join``'s common case (a call per event fewer)
+            else:
+                batch.join(self)
         kept.append(bytes(data) if type(data) is not bytes else data)
         self._kept_bytes += len(data)
 
@@ -123,10 +127,12 @@ class BatchedTransport(asyncio.Transport):
         kept = self._kept
         if not kept:
             return
-        self._kept, self._kept_bytes = [], 0
+        data = kept[0] if len(kept) == 1 else b"".join(kept)
+        kept.clear()  # (the same list again: not one made per connection per turn)
+        self._kept_bytes = 0
         if self._transport.is_closing():
             return  # the connection went meanwhile (its loss closed the socket): nobody reads
-        self._transport.write(kept[0] if len(kept) == 1 else b"".join(kept))
+        self._transport.write(data)
 
     def close(self) -> None:
         self.flush()
@@ -201,14 +207,11 @@ class ChunkedBodyWriter:
 
     def write(self, body: bytes) -> bool:
         cycle = self._cycle
-        if not body or not _writable_now(cycle):
+        # A started chunked response, not complete, its client there, its socket under the
+        # high-water mark: the chunk may go to the transport without ``send``. (Checked
+        # inline: one call per relayed event fewer.)
+        if (not body or cycle.chunked_encoding is not True or cycle.response_complete
+                or cycle.disconnected or cycle.flow.write_paused):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
-
-
-def _writable_now(cycle: ResponseCycle) -> bool:
-    """A started chunked response, not complete, its client there, its socket under the
-    high-water mark: a body chunk may be written to the transport without ``send``."""
-    return (cycle.chunked_encoding is True and not cycle.response_complete
-            and not cycle.disconnected and not cycle.flow.write_paused)
