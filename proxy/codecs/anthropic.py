@@ -68,11 +68,9 @@ from prefixpin.proxy.pipeline.validation import (
     Api,
     ClientRequest,
     Endpoint,
+    check_converted,
     check_field_types,
-    check_messages,
-    checked_added,
-    parse_checked,
-    without_engine_controls,
+    parse_resent,
 )
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -160,11 +158,8 @@ def parse_messages(raw: bytes, *, max_messages: int,
     digests are then found by identity: ``DigestMemo``); only the messages it adds are
     checked and converted (a message's checks and conversion read that message alone).
     This body joins them once every check passed."""
-    resent = memo.loads(raw, ANTHROPIC) if memo is not None else None
-    if resent is not None and resent.converted is not None and checked_added(resent):
-        body, earlier = without_engine_controls(resent.value), resent.converted
-    else:
-        body, earlier, resent = parse_checked(raw), (), None
+    body, resent = parse_resent(raw, memo, ANTHROPIC, converts=True)
+    earlier = (resent.converted or ()) if resent is not None else ()
     check_request(body, max_messages, start=len(earlier))
     each = convert_messages(body["messages"], earlier)
     converted = convert_request(body, each)
@@ -172,22 +167,13 @@ def parse_messages(raw: bytes, *, max_messages: int,
     if len(messages) > max_messages:
         raise _bad(f"'messages' converts to {len(messages)} chat messages (each tool result "
                    f"is one); the limit is {max_messages}", "messages")
-    _check_converted(messages, max_messages, opening=len(messages) - sum(map(len, each)),
-                     reused=sum(map(len, earlier)))
+    check_converted(messages, max_messages, opening=len(messages) - sum(map(len, each)),
+                    reused=sum(map(len, earlier)))
     check_field_types(converted, FIELD_TYPES["chat"])
     if memo is not None:
         memo.keep(raw, resent if resent is not None else body, ANTHROPIC, converted=each)
     return ClientRequest("chat", ENGINE_PATH, converted, body.get("stream") is True,
                          False, False, "anthropic", source=body)
-
-
-def _check_converted(messages: list[dict[str, Any]], max_messages: int, *, opening: int,
-                     reused: int) -> None:
-    """The chat messages' checks: those before ``opening`` (the system message) and
-    those after the ``reused`` ones that follow it (an earlier body's conversions, checked
-    with it)."""
-    check_messages(messages[:opening], max_messages)
-    check_messages(messages, max_messages, start=opening + reused)
 
 
 def _bad(message: str, param: str) -> BadRequestError:

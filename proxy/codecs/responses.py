@@ -109,12 +109,10 @@ from prefixpin.proxy.pipeline.validation import (
     Api,
     ClientRequest,
     Endpoint,
+    check_converted,
     check_field_types,
-    check_messages,
-    checked_added,
     optional_bool,
-    parse_checked,
-    without_engine_controls,
+    parse_resent,
 )
 
 ENGINE_PATH = "/v1/chat/completions"
@@ -168,11 +166,8 @@ class ResponsesCodec:
         body's items and the chat messages they made that are final (``convert_input``),
         the same objects (their digests are then found by identity: ``DigestMemo``); the
         rest is checked and converted. This body joins them once every check passed."""
-        resent = memo.loads(raw, RESPONSES) if memo is not None else None
-        if resent is not None and resent.converted is not None and checked_added(resent):
-            source, earlier = without_engine_controls(resent.value), resent.converted
-        else:
-            source, earlier, resent = parse_checked(raw), (), None
+        source, resent = parse_resent(raw, memo, RESPONSES, converts=True)
+        earlier = (resent.converted or ()) if resent is not None else ()
         check_field_types(source, FIELD_TYPES_RESPONSES)
         reasoning = source.get("reasoning")
         if isinstance(reasoning, Mapping):
@@ -187,9 +182,8 @@ class ResponsesCodec:
         if len(messages) > max_messages:
             raise BadRequestError(f"'input' makes {len(messages)} messages; the limit is "
                                   f"{max_messages}", param="input")
-        # The messages taken from the earlier body were checked with it.
-        check_messages(messages[:converted.opening], max_messages)
-        check_messages(messages, max_messages, start=converted.opening + converted.reused)
+        check_converted(messages, max_messages, opening=converted.opening,
+                        reused=converted.reused)
         check_field_types(body, FIELD_TYPES["chat"])
         if memo is not None:
             memo.keep(raw, resent if resent is not None else source, RESPONSES,

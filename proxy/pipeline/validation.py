@@ -33,7 +33,7 @@ from prefixpin.core.errors import (
     PayloadTooLargeError,
 )
 from prefixpin.proxy.ops.logs import log_event
-from prefixpin.proxy.pipeline.body_memo import BodyMemo, Parsed
+from prefixpin.proxy.pipeline.body_memo import CHAT, BodyMemo, Parsed, Wire
 
 Endpoint = Literal["chat", "completions", "infill"]
 # The wire format a client speaks (ollama: /api/chat, ...; anthropic: /v1/messages;
@@ -220,13 +220,11 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
     """``memo``: the parses of earlier bodies, whose messages a resent history reuses
     (checked then: only the messages it adds are checked again); this body joins them
     once every check passed."""
-    resent = memo.loads(raw) if memo is not None and endpoint == "chat" else None
-    if resent is not None and checked_added(resent):
-        body, checked = without_engine_controls(resent.value), resent.reused
-    else:
-        body, checked, resent = parse_checked(raw), 0, None
-    if endpoint == "chat":
-        check_messages(body.get("messages"), max_messages, start=checked)
+    chat = endpoint == "chat"
+    body, resent = parse_resent(raw, memo if chat else None, CHAT)
+    if chat:
+        check_messages(body.get("messages"), max_messages,
+                       start=resent.reused if resent is not None else 0)
     else:
         _check_prompt(body.get("prompt"))
     check_field_types(body, FIELD_TYPES[endpoint])
@@ -240,6 +238,28 @@ def parse_request(raw: bytes, endpoint: Endpoint, path: str, *, max_messages: in
         memo.keep(raw, resent if resent is not None else body)
     return ClientRequest(endpoint, path, body, stream, wants_usage,
                          optional_bool(body, "return_progress"))
+
+
+def parse_resent(raw: bytes, memo: BodyMemo | None, wire: Wire, *,
+                 converts: bool = False) -> tuple[dict[str, Any], Parsed | None]:
+    """``parse_checked(raw)``, or with ``memo`` the parse that reuses an earlier body's
+    messages (``BodyMemo.loads``), its new parts checked; with it, the ``Parsed`` that lent
+    them (None: parsed whole). ``converts``: the format converts its messages, so a body
+    is reused only with what the earlier one's conversion made of them."""
+    resent = memo.loads(raw, wire) if memo is not None else None
+    if (resent is None or (converts and resent.converted is None)
+            or not checked_added(resent)):
+        return parse_checked(raw), None
+    return without_engine_controls(resent.value), resent
+
+
+def check_converted(messages: list[Any], max_messages: int, *, opening: int,
+                    reused: int) -> None:
+    """``check_messages`` of a converted format's chat messages: those before ``opening``
+    (made from the body's other fields) and those after the ``reused`` ones that follow
+    them (an earlier body's conversions, checked with it)."""
+    check_messages(messages[:opening], max_messages)
+    check_messages(messages, max_messages, start=opening + reused)
 
 
 def checked_added(resent: Parsed) -> bool:
