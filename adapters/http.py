@@ -193,13 +193,53 @@ def _describe(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def encode_json(body: Mapping[str, Any]) -> bytes:
-    """Request bodies as JSON bytes; orjson (a large history is re-encoded on every
-    request), the standard library for what orjson refuses (integers past 64 bits)."""
+def encode_json(body: object) -> bytes:
+    """Request bodies as JSON bytes; orjson, the standard library for what orjson refuses
+    (integers past 64 bits)."""
     try:
         return orjson.dumps(body)
     except TypeError:
         return json.dumps(body, ensure_ascii=False).encode()
+
+
+class MessagesEncoder:
+    """Request bodies as JSON bytes, each message of a ``messages`` array encoded once for
+    as long as it is the same object. A follow-up resends its whole history, and the
+    proxy hands the engine the same message objects turn after turn (the body memo keeps
+    them: ``proxy.pipeline.body_memo``), so only the turn's new messages are encoded; the
+    rest is a join. Messages are never changed in place once parsed. The bytes held are
+    bounded (``max_bytes``): the oldest go first."""
+
+    def __init__(self, max_bytes: int = 32 << 20) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        # id(message) -> (message, its bytes): the message held, so its id stays its own.
+        self._held: dict[int, tuple[object, bytes]] = {}
+
+    def __call__(self, body: Mapping[str, Any]) -> bytes:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return encode_json(body)
+        parts = [self._encoded(message) for message in messages]
+        rest = encode_json({key: value for key, value in body.items() if key != "messages"})
+        self._bound()
+        # The array first: key order means nothing to the engine's JSON reader.
+        close = b"]," + rest[1:] if len(rest) > 2 else b"]}"
+        return b'{"messages":[' + b",".join(parts) + close
+
+    def _encoded(self, message: object) -> bytes:
+        held = self._held.get(id(message))
+        if held is not None and held[0] is message:
+            return held[1]
+        encoded = encode_json(message)
+        self._held[id(message)] = (message, encoded)
+        self._bytes += len(encoded)
+        return encoded
+
+    def _bound(self) -> None:
+        while self._bytes > self._max_bytes and self._held:
+            _, encoded = self._held.pop(next(iter(self._held)))
+            self._bytes -= len(encoded)
 
 
 async def send_with_stale_retry(http: httpx.AsyncClient, request: httpx.Request, *,

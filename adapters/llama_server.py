@@ -29,8 +29,8 @@ from prefixpin.adapters.base import (
 )
 from prefixpin.adapters.http import (
     EngineClient,
+    MessagesEncoder,
     decoded_frames,
-    encode_json,
     expect_media_type,
     get_json,
     map_httpx_errors,
@@ -62,6 +62,7 @@ class LlamaServerAdapter:
         # The last full probe's answer, whose start time (``/metrics``) names the engine's
         # process: the same process says the same of itself.
         self._known: EngineInfo | None = None
+        self._encode = MessagesEncoder()
 
     def _url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)
@@ -119,7 +120,7 @@ class LlamaServerAdapter:
     async def open_stream(self, call: UpstreamCall) -> AsyncIterator[_LlamaStream]:
         what = f"POST {call.path}"
         with map_httpx_errors(what):
-            url, content = self._url(call.path), encode_json(call.body)
+            url, content = self._url(call.path), self._encode(call.body)
             headers = _header_bytes({**call.headers, "content-type": "application/json"})
             if isinstance(self.http, EngineClient):
                 response = await self.http.open("POST", url, content=content, headers=headers,

@@ -37,8 +37,8 @@ from prefixpin.adapters.base import (
     UpstreamCall,
 )
 from prefixpin.adapters.http import (
+    MessagesEncoder,
     decoded_frames,
-    encode_json,
     expect_media_type,
     map_httpx_errors,
     push_decoded_frames,
@@ -76,6 +76,7 @@ class OllamaAdapter:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
         self.version: str | None = None
+        self._encode = MessagesEncoder()
         self.capabilities = Capabilities(slots=False, slot_files=False, progress=False,
                                          measured_cache=False, render=False)
 
@@ -109,7 +110,7 @@ class OllamaAdapter:
         what = f"POST {call.path}"
         with map_httpx_errors(what):
             request = self.http.build_request(
-                "POST", call.path, content=encode_json(call.body),
+                "POST", call.path, content=self._encode(call.body),
                 headers=[(name.encode("latin-1"), value.encode("latin-1", "replace"))
                          for name, value in {**call.headers,
                                              "content-type": "application/json"}.items()])

@@ -80,7 +80,8 @@ class Lane:
         service = ProxyService(settings, backend, metrics, logger=logger, inflight=inflight)
         watch = EngineWatch(backend, metrics, interval_s=settings.health_interval_s,
                             probe_timeout_s=settings.probe_timeout_s, logger=logger,
-                            streaming_since=service.streaming_since)
+                            streaming_since=service.streaming_since,
+                            prefilling_since=service.prefilling_since)
         service.on_upstream_lost = watch.suspect
 
         async def forget_prompts(before: EngineInfo, after: EngineInfo) -> None:

@@ -8,7 +8,9 @@ stays open, the watch does not probe: a crash or a restart from then on closes t
 stream, and its loss wakes the watch; one just before it is seen, as any restart is, by
 the first probe after it (here once the stream ends). A turn that waits seconds on a long
 prefill is where a probe would cost most: llama-server answers ``/metrics`` between two
-batches, and each probe is wake-ups paid on the way to the turn's first token.
+batches, and each probe is wake-ups paid on the way to the turn's first token. So a probe
+that falls due while a stream from the engine is still in its prefill is put off to a
+later tick (the stream's tokens, or its end), for ``PUT_OFF_INTERVALS`` intervals at most.
 
 An engine that stops answering makes every session *unverified* (the proxy can no longer
 vouch for what the slots hold) until bytes decide again on its next request; an
@@ -35,7 +37,14 @@ from prefixpin.proxy.pipeline.records import Backend
 RestartHook = Callable[[EngineInfo, EngineInfo], Awaitable[None]]
 # When the oldest stream from the engine still open began (``time.monotonic``), or None.
 OpenSince = Callable[[], float | None]
+# When the oldest stream from the engine that has its answer's head and no output yet (a
+# prefill) got that head, or None.
+PrefillSince = Callable[[], float | None]
 LostHook = Callable[[str], None]  # called with the reason, once per loss
+
+# A probe is put off by a prefill for this many intervals at most: a prefill of minutes (a
+# long prompt on a CPU) still sees a probe now and then.
+PUT_OFF_INTERVALS = 6
 
 
 def restarted(before: EngineInfo, after: EngineInfo) -> bool:
@@ -88,7 +97,8 @@ class EngineWatch:
                  probe_timeout_s: float, logger: logging.Logger,
                  on_restart: list[RestartHook] | None = None,
                  on_lost: list[LostHook] | None = None,
-                 streaming_since: OpenSince = lambda: None) -> None:
+                 streaming_since: OpenSince = lambda: None,
+                 prefilling_since: PrefillSince = lambda: None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.interval_s = interval_s
@@ -101,6 +111,7 @@ class EngineWatch:
         self.suspected = False  # a request lost the engine; the probe has not answered yet
         self._wake = asyncio.Event()
         self._streaming_since = streaming_since
+        self._prefilling_since = prefilling_since
         self._probed_at = time.monotonic()  # when the last probe began
 
     def suspect(self) -> None:
@@ -113,8 +124,10 @@ class EngineWatch:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await self._wake.wait()
-            if self._wake.is_set() or not self.vouched_by_a_stream():
+            if self._wake.is_set():
                 self._wake.clear()
+                await self.check()
+            elif not self.vouched_by_a_stream() and not self.put_off_by_a_prefill():
                 await self.check()
 
     def vouched_by_a_stream(self) -> bool:
@@ -123,6 +136,13 @@ class EngineWatch:
         since = self._streaming_since()
         return (since is not None and since <= self._probed_at + self.interval_s
                 and self.reachable)
+
+    def put_off_by_a_prefill(self) -> bool:
+        """A stream from the engine is in a prefill that began recently enough for a due
+        probe to wait for a later tick."""
+        since = self._prefilling_since()
+        return (since is not None
+                and time.monotonic() < since + self.interval_s * PUT_OFF_INTERVALS)
 
     async def check(self) -> EngineInfo | UpstreamError:
         """Probe now: the engine's info, or the error it failed with (a loss or a restart

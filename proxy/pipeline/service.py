@@ -159,6 +159,13 @@ class ProxyService:
         heads = [g.timeline.head for g in self.generations if not g.answered]
         return min((head for head in heads if head is not None), default=None)
 
+    def prefilling_since(self) -> float | None:
+        """When the oldest engine stream being read that has no output yet (the engine
+        prefills its prompt) got its answer's head, or None: the watch puts a probe off."""
+        heads = [g.timeline.head for g in self.generations
+                 if not g.answered and g.timeline.first_output is None]
+        return min((head for head in heads if head is not None), default=None)
+
     @property
     def pool(self) -> SlotPool | None:
         return self.policies.pool
