@@ -71,6 +71,7 @@ class Renderings:
         self.bound = bound
         self._markers: dict[str, Marker | None] = {}  # probed once per engine process
         self._last: OrderedDict[str, Rendering] = OrderedDict()
+        self._unmarked_said = False  # an engine without markers is said once, not each time
 
     def of(self, session_id: str | None) -> Tokenizer:
         """A tokenizer for one computation on ``session_id``'s conversation (None: one
@@ -94,6 +95,7 @@ class Renderings:
         tokenized before is reused."""
         self._markers.clear()
         self._last.clear()
+        self._unmarked_said = False
 
     async def tokenize(self, text: str, earlier: Sequence[Rendering],
                        session_id: str | None) -> Rendering:
@@ -126,7 +128,8 @@ class Renderings:
                      session_id: str | None, *, first: bool) -> Rendering:
         tokens = array("i", await self.adapter.tokenize(text, add_special=True))
         self.metrics.tokenizations.labels("first" if first else "whole").inc()
-        if not first:
+        if not first and not (marker is None and self._unmarked_said):
+            self._unmarked_said = self._unmarked_said or marker is None
             log_event(self.log, logging.INFO, "rendering tokenized whole",
                       session=session_id, chars=len(text), reason=why)
         if marker is None:
@@ -186,7 +189,11 @@ class Tokenizer:
 def _longest_cut(text: str, earlier: Sequence[Rendering],
                  marker: Marker) -> tuple[Rendering, int] | None:
     """The earlier rendering and cut with the most characters before it that ``text``
-    shares through the marker there."""
+    shares through the marker there. The characters before the cut are the same, and so
+    are their fragments and tokens; the marker, shared whole, is a fragment of ``text``
+    too unless a longer special token holding its text runs past the shared characters
+    (none does in the vocabularies of ``MARKERS``' families), and the tail's first token
+    is checked to be the marker's."""
     best: tuple[Rendering, int] | None = None
     for rendering in earlier:
         if rendering.marker != marker or not rendering.cuts:

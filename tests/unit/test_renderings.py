@@ -137,12 +137,17 @@ async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_sa
     assert reasons == {"it shares no turn marker with an earlier rendering"}
 
 
-async def test_a_marker_that_is_not_a_special_token_is_never_a_cut() -> None:
+async def test_a_marker_that_is_not_a_special_token_is_never_a_cut(
+        caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(special={"<|im_end|>": 2})
     renderings, metrics = renderings_on(engine)
+    caplog.set_level(logging.INFO)
     for body, reply in conversation(3):
         await one_turn(engine, renderings, body, reply)
     assert counted(metrics, "spliced") == 0
+    assert counted(metrics, "whole") == 5 * 3 - 1
+    # Said once, not for every rendering.
+    assert [r.getMessage() for r in caplog.records] == ["rendering tokenized whole"]
 
 
 async def test_a_restarted_engine_with_another_vocabulary_is_caught() -> None:
