@@ -135,7 +135,11 @@ class Adapter(Protocol):
 
     async def apply_template(self, body: Mapping[str, Any]) -> str: ...
 
-    async def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    async def tokenize(self, text: str, *, add_special: bool,
+                       parse_special: bool = True) -> list[int]:
+        """``text``'s tokens; ``parse_special``: a special token's text is that token (as
+        on the chat path), else plain text."""
+        ...
 
     def fault(self) -> str | None:
         """What is wrong with the engine's process now, where the adapter runs it (the

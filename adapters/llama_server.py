@@ -169,11 +169,12 @@ class LlamaServerAdapter:
         result = await post_json(self.http, "/apply-template", body, "POST /apply-template")
         return str(result.get("prompt", ""))
 
-    async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    async def tokenize(self, text: str, *, add_special: bool,
+                       parse_special: bool = True) -> list[int]:
         # The chat path tokenizes with add_special and parse_special on (research note §7).
         result = await post_json(self.http, "/tokenize",
                                  {"content": text, "add_special": add_special,
-                                  "parse_special": True}, "POST /tokenize")
+                                  "parse_special": parse_special}, "POST /tokenize")
         return [int(t) for t in result.get("tokens", [])]
 
     def fault(self) -> str | None:

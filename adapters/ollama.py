@@ -139,7 +139,8 @@ class OllamaAdapter:
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         raise _unsupported("template rendering")
 
-    async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    async def tokenize(self, text: str, *, add_special: bool,
+                       parse_special: bool = True) -> list[int]:
         raise _unsupported("tokenization")
 
     def fault(self) -> str | None:

@@ -323,6 +323,8 @@ async def slot_sessions_on(ctx: LaneContext, lane: Lane, info: EngineInfo) -> No
                             anchorer=anchorer, openings=openings, load_of=load_of))
 
     async def restarted(before: EngineInfo, after: EngineInfo) -> None:
+        if anchorer is not None:
+            anchorer.renderings.engine_restarted()
         if shared is not None:
             await shared_pool.adopt_engine(after)
         await planner.engine_restarted(before, after)

@@ -125,6 +125,13 @@ class Metrics:
                                  "sessions (a parked file a changed last reply still "
                                  "extends): taken, kept, skipped, failed, restored",
                                  ["outcome"], registry=r)
+        self.tokenizations = Counter("prefixpin_tokenizations", "Renderings of a "
+                                     "conversation tokenized for anchors and snapshots: "
+                                     "spliced (the engine tokenized only the text past a "
+                                     "turn marker an earlier rendering shares), first (a "
+                                     "computation's first, nothing to splice onto), whole "
+                                     "(an earlier rendering did not fit: logged)",
+                                     ["outcome"], registry=r)
         self.limit_refusals = Counter("prefixpin_limit_refusals", "Connections and requests "
                                       "refused at a bound (connections, head_timeout, "
                                       "body_timeout, head_size, body_chunks, body_size, "

@@ -13,6 +13,7 @@
     limits     what the engine allows: when a restored slot is reused at all
     anchor     a hybrid slot made to hold its next request's opening before it is parked
     snapshot   beside it, the prompt's end, for a next request that changes the last reply
+    renderings the tokens of their renderings, the engine tokenizing only what is new
     manager    ParkManager: park, restore, lookup, budget, sweep
     (here)     start-up: ``open_parking``, one manager per lane (engine)
 

@@ -32,6 +32,7 @@ from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.parking.renderings import Renderings
 from prefixpin.proxy.session.placement import SlotEntry, SlotPool
 from prefixpin.proxy.session.sessions import Session
 from prefixpin.proxy.session.tokens import common_prefix
@@ -51,6 +52,17 @@ _NEXT_TURNS = ("A", "0\n")
 # renderings of the turn it opens is where any reply to it starts.
 _REPLIES = _NEXT_TURNS
 
+# A rendered text's tokens as the chat path makes them: the engine's whole tokenization
+# (``whole``), or a ``renderings.Tokenizer`` that has it tokenize only what is new.
+Tokenize = Callable[[str], Awaitable[list[int]]]
+
+
+def whole(adapter: Adapter) -> Tokenize:
+    async def tokenize(text: str) -> list[int]:
+        return await adapter.tokenize(text, add_special=True)
+
+    return tokenize
+
 
 async def when_idle(pool: SlotPool, slot: int, session_id: str,
                     work: Callable[[SlotEntry], Awaitable[None]]) -> None:
@@ -65,31 +77,37 @@ async def when_idle(pool: SlotPool, slot: int, session_id: str,
 
 
 async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
-                               reply: Mapping[str, Any] | None) -> list[int] | None:
+                               reply: Mapping[str, Any] | None,
+                               tokenize: Tokenize | None = None) -> list[int] | None:
     """The tokens every next request of this conversation starts with: ``body``'s messages,
     the ``reply`` as the template renders an earlier assistant turn, up to the next user
     turn's text. None for a body without messages, or no reply to anchor."""
     messages = body.get("messages")
     if not isinstance(messages, list) or reply is None:
         return None
-    return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)])
+    return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)], tokenize)
 
 
-async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any]) -> list[int] | None:
+async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any],
+                        tokenize: Tokenize | None = None) -> list[int] | None:
     """The request's prompt as the engine tokenizes it (its template's rendering of the
     messages, or its raw prompt); None when that prompt is not text."""
     text = await adapter.apply_template(body) if "messages" in body else body.get("prompt")
-    return await adapter.tokenize(text, add_special=True) if isinstance(text, str) else None
+    if not isinstance(text, str):
+        return None
+    return await (tokenize or whole(adapter))(text)
 
 
-async def prompt_opening(adapter: Adapter, body: Mapping[str, Any]
+async def prompt_opening(adapter: Adapter, body: Mapping[str, Any],
+                         tokenize: Tokenize | None = None
                          ) -> tuple[list[int], list[int]] | None:
     """The request's prompt tokens, and the part of them every next request of the
     conversation starts with, whatever reply it sends back in the turn this prompt opens
     (interrupted, regenerated, edited, rewritten): the prompt up to where its reply starts,
     as the template renders an earlier assistant turn. None for a body without messages."""
     messages = body.get("messages")
-    prompt = await prompt_tokens(adapter, body)
+    tokenize = tokenize or whole(adapter)
+    prompt = await prompt_tokens(adapter, body, tokenize)
     if not isinstance(messages, list) or prompt is None:
         return None
     shared = len(prompt)
@@ -97,29 +115,31 @@ async def prompt_opening(adapter: Adapter, body: Mapping[str, Any]
         following = [*messages, {"role": "assistant", "content": reply},
                      {"role": "user", "content": _NEXT_TURNS[0]}]
         text = await adapter.apply_template({**body, "messages": following})
-        shared = min(shared, common_prefix(prompt, await adapter.tokenize(text,
-                                                                          add_special=True)))
+        shared = min(shared, common_prefix(prompt, await tokenize(text)))
     return prompt, prompt[:shared]
 
 
 async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],
-                                  messages: Sequence[Mapping[str, Any]]) -> list[int]:
+                                  messages: Sequence[Mapping[str, Any]],
+                                  tokenize: Tokenize | None = None) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` and then any user turn starts with:
     the two renderings of ``_NEXT_TURNS`` share exactly that."""
     first, second = ({"role": "user", "content": text} for text in _NEXT_TURNS)
-    return await tokens_shared(adapter, body, messages, first, second)
+    return await tokens_shared(adapter, body, messages, first, second, tokenize)
 
 
 async def tokens_shared(adapter: Adapter, body: Mapping[str, Any],
                         messages: Sequence[Mapping[str, Any]], one: Mapping[str, Any],
-                        other: Mapping[str, Any]) -> list[int]:
+                        other: Mapping[str, Any], tokenize: Tokenize | None = None
+                        ) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` then ``one``, and with ``messages``
     then ``other``, start with: what any next message after ``messages`` leaves as it is,
     where the two differ from their first token."""
+    tokenize = tokenize or whole(adapter)
     renderings = []
     for last in (one, other):
         prompt = await adapter.apply_template({**body, "messages": [*messages, last]})
-        renderings.append(await adapter.tokenize(prompt, add_special=True))
+        renderings.append(await tokenize(prompt))
     first, second = renderings
     return first[:common_prefix(first, second)]
 
@@ -134,6 +154,8 @@ class Anchorer:
         self.metrics = metrics
         self.log = logger
         self.session_of = session_of
+        # Each session's last rendering: the next computation's engine tokenizes what is new.
+        self.renderings = Renderings(adapter, metrics, logger)
         self._tasks: set[asyncio.Task[None]] = set()
         # Slot -> (session, tokens) its last committed turn left there, not anchored since.
         self._unanchored: dict[int, tuple[str, int]] = {}
@@ -155,9 +177,11 @@ class Anchorer:
         if session is None or session.committed is None or session.committed.body is None:
             return None
         started = time.monotonic()
+        tokenize = self.renderings.of(session_id)
         try:
             opening = await next_request_opening(self.adapter, session.committed.body,
-                                                 session.repair.last_reply)
+                                                 session.repair.last_reply, tokenize)
+            tokenize.keep()
             if not opening:
                 return None
             held = await self.adapter.prefill(slot, opening)
@@ -175,8 +199,8 @@ class Anchorer:
     def after_turn(self, pool: SlotPool, slot: int, session_id: str) -> None:
         """Anchor the slot in the background once it stays idle (parking off), when the
         engine is short of slots: a session that keeps its slot needs no anchor (the
-        engine's own checkpoints cover its next request), and anchoring renders and
-        tokenizes the whole conversation."""
+        engine's own checkpoints cover its next request), and anchoring has the engine
+        render the whole conversation (``renderings``: it tokenizes only what is new)."""
         if not pool.contended(CONTENDED_WITHIN_S):
             return
         task = asyncio.get_running_loop().create_task(

@@ -39,6 +39,7 @@ from prefixpin.proxy.parking.anchor import (
 )
 from prefixpin.proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from prefixpin.proxy.parking.limits import EngineLimits
+from prefixpin.proxy.parking.renderings import Tokenizer
 from prefixpin.proxy.parking.slotfile import (
     PARK_PREFIX,
     SlotFileError,
@@ -265,7 +266,7 @@ class ParkManager:
         that its eviction by the next session's request finds the file current (``park``'s
         unchanged case) instead of saving on that request's path. Nothing while every
         session keeps its slot: there the engine's own checkpoints cover the next request,
-        and an anchor would render and tokenize the whole conversation after every turn.
+        and an anchor would have the engine render the whole conversation after every turn.
         Never for a slot table replicas share (its copy here may be stale)."""
         if (self.suspended is not None or _shared_table(pool) is not None
                 or not pool.contended(PARK_AHEAD_WITHIN_S)):
@@ -314,6 +315,11 @@ class ParkManager:
         except self.index.errors:
             return False
         return total - replaced + estimate <= self.config.max_bytes
+
+    def _tokenizer(self, session_id: str) -> Tokenizer | None:
+        """The session's renderings tokenized past what its last one shares (the anchorer
+        keeps them); None without anchoring (each is tokenized whole)."""
+        return self.anchorer.renderings.of(session_id) if self.anchorer is not None else None
 
     async def _session_of(self, session_id: str) -> Session | None:
         if self.resolve is not None:
@@ -489,12 +495,15 @@ class ParkManager:
         """The longest parked state the request's prompt extends (the engine would
         re-process anything else: no checkpoint survives a restore): the anchored file
         ``record`` holding ``held``, else the session's prompt-end snapshot; else why not."""
+        tokenize = self._tokenizer(session.id)
         try:
-            prompt = await prompt_tokens(self.adapter, body)
+            prompt = await prompt_tokens(self.adapter, body, tokenize)
         except ProxyError as exc:
             return f"cannot compare the request's tokens with the file's ({exc.message})"
         if prompt is None:
             return "the request's prompt is not text: its tokens cannot be compared"
+        if tokenize is not None:
+            tokenize.keep()
         if _extends(prompt, held):
             return record
         snapshot = await self._snapshot_extended(session, body, prompt)
@@ -586,6 +595,8 @@ class ParkManager:
         self._unparked.pop(session_id, None)
         self._restored.pop(session_id, None)
         self._late_commit.pop(session_id, None)
+        if self.anchorer is not None:
+            self.anchorer.renderings.forget(session_id)
         snapshot = self.snapshots.forget(session_id)
         try:
             record = self.index.owned_by(session_id)
@@ -654,13 +665,16 @@ class ParkManager:
         session = await self._session_of(session_id)
         if session is None or session.committed is None or session.committed.body is None:
             return None
+        tokenize = self._tokenizer(session.id)
         try:
-            rendered = await prompt_opening(self.adapter, session.committed.body)
+            rendered = await prompt_opening(self.adapter, session.committed.body, tokenize)
         except ProxyError as exc:
             self._snapshot_skipped(session, "failed", f"prompt not rendered: {exc.message}")
             return None
         if rendered is None:
             return None
+        if tokenize is not None:
+            tokenize.keep()
         prompt, opening = rendered
         current = self._snapshot_holding(session, opening)
         if current is not None:  # a regenerate: the same prompt, restored from it

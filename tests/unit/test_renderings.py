@@ -1,0 +1,179 @@
+"""Spliced tokenizations (``proxy.parking.renderings``) on a fake engine whose tokenizer cuts
+a text at its special tokens as llama.cpp's does: the same tokens as the whole way, and
+what is sent to and read from ``/tokenize`` for a turn does not grow with the
+conversation; where no earlier rendering fits, the whole text, counted and logged. The
+real engines: ``tests/e2e/test_renderings_llama.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.parking.anchor import next_request_opening, prompt_opening
+from prefixpin.proxy.parking.renderings import Renderings, _last_cut_within, _shared_chars
+from tests.e2e.helpers import filler
+
+pytestmark = pytest.mark.anyio
+
+Json = dict[str, Any]
+_PIECE = re.compile(r"\w+|\s+|[^\w\s]")
+
+
+class FakeEngine:
+    """ChatML rendered, and tokenized as llama.cpp does with special tokens parsed: cut at
+    each special token, each piece between on its own (here: words, spaces, signs), a BOS
+    added. Counts the bytes each call sends and reads, as JSON on the wire."""
+
+    def __init__(self, special: Mapping[str, int] | None = None, header: str = "") -> None:
+        self.special = dict(special if special is not None else
+                            {"<|im_start|>": 1, "<|im_end|>": 2})
+        self.header = header  # rendered first, with the size of the messages: never the same
+        self.vocab: dict[str, int] = {}
+        self.bytes = {"/apply-template": 0, "/tokenize": 0}
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str:
+        messages = body["messages"]
+        text = self.header.format(len(json.dumps(messages))) + "".join(
+            f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
+        text += "<|im_start|>assistant\n"
+        self._count("/apply-template", body, {"prompt": text})
+        return text
+
+    async def tokenize(self, text: str, *, add_special: bool,
+                       parse_special: bool = True) -> list[int]:
+        tokens = [0] if add_special else []
+        pattern = "|".join(re.escape(s) for s in self.special)
+        pieces = re.split(f"({pattern})", text) if parse_special and self.special else [text]
+        for piece in pieces:
+            if piece in self.special and parse_special:
+                tokens.append(self.special[piece])
+            else:
+                tokens += [self.vocab.setdefault(p, 100 + len(self.vocab))
+                           for p in _PIECE.findall(piece)]
+        self._count("/tokenize", {"content": text, "add_special": add_special,
+                                  "parse_special": parse_special}, {"tokens": tokens})
+        return tokens
+
+    def _count(self, path: str, sent: Mapping[str, Any], read: Json) -> None:
+        self.bytes[path] += len(json.dumps(sent)) + len(json.dumps(read))
+
+    def take(self) -> dict[str, int]:
+        out = dict(self.bytes)
+        self.bytes = dict.fromkeys(self.bytes, 0)
+        return out
+
+
+def renderings_on(engine: FakeEngine) -> tuple[Renderings, Metrics]:
+    metrics = Metrics()
+    return Renderings(engine, metrics, logging.getLogger("test")), metrics  # type: ignore[arg-type]
+
+
+def counted(metrics: Metrics, outcome: str) -> float:
+    return metrics.registry.get_sample_value("prefixpin_tokenizations_total",
+                                             {"outcome": outcome}) or 0.0
+
+
+async def one_turn(engine: FakeEngine, renderings: Renderings, body: Json,
+                   reply: Json) -> tuple[Any, Any]:
+    """The snapshot's and the anchor's computations, spliced, checked against whole."""
+    spliced = []
+    for way in (lambda t: prompt_opening(engine, body, t),  # type: ignore[arg-type]
+                lambda t: next_request_opening(engine, body, reply, t)):  # type: ignore[arg-type]
+        tokenize = renderings.of("s")
+        spliced.append(await way(tokenize))
+        tokenize.keep()
+    bytes_spliced = engine.take()
+    assert spliced[0] == await prompt_opening(engine, body)  # type: ignore[arg-type]
+    assert spliced[1] == await next_request_opening(engine, body, reply)  # type: ignore[arg-type]
+    return bytes_spliced, engine.take()
+
+
+def conversation(turns: int) -> list[tuple[Json, Json]]:
+    """A session's bodies and replies, each reply sent back as returned or edited."""
+    messages: list[Json] = [{"role": "system", "content": filler(300, seed=1)}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": filler(40, seed=turn)})
+        reply = {"role": "assistant", "content": filler(60, seed=50 + turn)}
+        out.append(({"messages": list(messages)}, reply))
+        messages.append(reply if turn % 2 else {**reply, "content": "edited " + reply["content"]})
+    return out
+
+
+async def test_spliced_tokens_equal_the_whole_ones_and_stay_the_size_of_a_turn() -> None:
+    engine = FakeEngine()
+    renderings, metrics = renderings_on(engine)
+    sizes = [await one_turn(engine, renderings, body, reply)
+             for body, reply in conversation(20)]
+    (early, early_whole), (late, late_whole) = sizes[1], sizes[19]
+    assert late["/tokenize"] < 1.5 * early["/tokenize"], (early, late)
+    assert late_whole["/tokenize"] > 4 * early_whole["/tokenize"]  # the whole way grows
+    assert late["/tokenize"] * 10 < late_whole["/tokenize"]
+    # The template's rendering is still asked for whole: only the engine knows it.
+    assert late["/apply-template"] == late_whole["/apply-template"]
+    assert counted(metrics, "first") == 1
+    assert counted(metrics, "whole") == 0
+    assert counted(metrics, "spliced") == 5 * 20 - 1
+
+
+async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine(header="<|im_start|>meta\n{} bytes<|im_end|>\n")
+    renderings, metrics = renderings_on(engine)
+    caplog.set_level(logging.INFO)
+    for body, reply in conversation(3):
+        await one_turn(engine, renderings, body, reply)
+    assert counted(metrics, "spliced") == 0
+    assert counted(metrics, "first") == 1
+    assert counted(metrics, "whole") == 5 * 3 - 1
+    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
+               if r.getMessage() == "rendering tokenized whole"}
+    assert reasons == {"it shares no turn marker with an earlier rendering"}
+
+
+async def test_a_marker_that_is_not_a_special_token_is_never_a_cut(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine(special={"<|im_end|>": 2})
+    renderings, metrics = renderings_on(engine)
+    caplog.set_level(logging.INFO)
+    for body, reply in conversation(3):
+        await one_turn(engine, renderings, body, reply)
+    assert counted(metrics, "spliced") == 0
+    assert counted(metrics, "whole") == 5 * 3 - 1
+    # Said once, not for every rendering.
+    assert [r.getMessage() for r in caplog.records] == ["rendering tokenized whole"]
+
+
+async def test_a_restarted_engine_with_another_vocabulary_is_caught() -> None:
+    """The marker's token changed under a session's last rendering (a restart not yet
+    seen): the tail does not start with it, and the text is tokenized whole."""
+    engine = FakeEngine()
+    renderings, metrics = renderings_on(engine)
+    (body, reply), (next_body, next_reply) = conversation(2)
+    await one_turn(engine, renderings, body, reply)
+    engine.special["<|im_start|>"] = 7
+    renderings._markers.clear()  # probed again, as after a restart
+    await one_turn(engine, renderings, next_body, next_reply)
+    assert counted(metrics, "whole") == 1
+    renderings.engine_restarted()
+    assert renderings.last("s") is None
+
+
+@pytest.mark.parametrize(("a", "b", "shared"), [("", "x", 0), ("abc", "abd", 2),
+                                                 ("a" * 9000, "a" * 9000 + "b", 9000),
+                                                 ("a" * 5000 + "x", "a" * 5000 + "y", 5000)])
+def test_shared_chars(a: str, b: str, shared: int) -> None:
+    assert _shared_chars(a, b) == _shared_chars(b, a) == shared
+
+
+@pytest.mark.parametrize(("cuts", "limit", "index"), [((), 5, None), ((3,), 2, None),
+                                                      ((3,), 3, 0), ((0, 4, 9), 8, 1),
+                                                      ((0, 4, 9), 99, 2)])
+def test_last_cut_within(cuts: Sequence[int], limit: int, index: int | None) -> None:
+    assert _last_cut_within(cuts, limit) == index
