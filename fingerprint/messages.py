@@ -268,12 +268,16 @@ class ChainMemo:
         """``chain`` (of the first ``covered`` messages) extended by ``messages``, the rest
         of the request, memoising checkpoints and the whole request's chain on the way;
         ``scope``: that of the keys, for the token cache."""
-        last = covered + len(messages) - 1
-        for index, message in enumerate(messages, start=covered):
-            chain = chain_for_messages((message,), encoder, cache, markers, base=chain,
-                                       scope=scope)
-            if (index + 1) % CHECKPOINT_EVERY == 0 or index == last or index == 0:
-                self.put(keys[index], chain)
+        # One chain_for_messages call a run of messages up to the next checkpoint (the
+        # chain is the same however its runs are grouped): each call copies the digests.
+        stop = covered + len(messages)
+        start = covered
+        while start < stop:
+            end = min(stop, 1 if start == 0 else (start // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY)
+            chain = chain_for_messages(messages[start - covered:end - covered], encoder, cache,
+                                       markers, base=chain, scope=scope)
+            self.put(keys[end - 1], chain)
+            start = end
         return chain
 
 

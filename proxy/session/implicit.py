@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,31 @@ Normalize = Callable[[Sequence[Message]], Sequence[Message]]
 INLINE_CHARS = 1_000
 
 
+class PendingChain:
+    """A request's chain, computed once, when first asked for. A follow-up that a session's
+    committed history decides byte for byte needs no chain to be planned (the chain only
+    nominates the other candidates): the commit asks for it, after the answer, to keep
+    with the session for the requests that will need it."""
+
+    def __init__(self, chain: Chain, rest: Callable[[], Chain] | None = None, *,
+                 small: bool = True) -> None:
+        self._chain = chain  # until ``rest`` has run: the chain of the messages known
+        self._rest = rest
+        self.small = small  # what is left runs on the event loop (INLINE_CHARS)
+
+    def now(self) -> Chain:
+        if self._rest is not None:
+            self._chain, self._rest = self._rest(), None
+        return self._chain
+
+    async def result(self) -> Chain:
+        if self._rest is None or self.small:
+            return self.now()
+        # Off the event loop: a new session arriving with hundreds of messages takes
+        # milliseconds, each message tokenized by its edges.
+        return await asyncio.to_thread(self.now)
+
+
 class Fingerprinter:
     def __init__(self, tokenizer: ModelTokenizer, markers: Markers) -> None:
         self.tokenizer = tokenizer
@@ -56,19 +82,22 @@ class Fingerprinter:
         memo of known prefixes is keyed on the client's bytes. What one namespace's
         requests put in the caches, only its own find (no tenant learns from the timing
         whether another sent the same text)."""
+        return await self.pending(messages, digests, normalize, namespace).result()
+
+    def pending(self, messages: Sequence[Message], digests: Sequence[bytes],
+                normalize: Normalize, namespace: str) -> PendingChain:
+        """``chain_of_messages``, to be computed when first asked for: the memo is read
+        and the new messages normalised now, the new messages tokenized then."""
         scope = namespace.encode()
         keys = self._keys(digests, scope)
         covered, known = self.memo.longest(keys)
         base = known if known is not None else start_chain(self.markers.openers)
         if covered == len(messages):
-            return base
+            return PendingChain(base)
         rest = normalize(messages[covered:])
-        args = (keys, covered, base, rest, self.tokenizer, self.cache, self.markers, scope)
-        if _approximate_chars(rest) <= INLINE_CHARS:
-            return self.memo.extend(*args)
-        # Off the event loop: a new session arriving with hundreds of messages takes
-        # milliseconds, each message tokenized by its edges.
-        return await asyncio.to_thread(self.memo.extend, *args)
+        return PendingChain(base, partial(self.memo.extend, keys, covered, base, rest,
+                                          self.tokenizer, self.cache, self.markers, scope),
+                            small=_approximate_chars(rest) <= INLINE_CHARS)
 
     async def chain_of_prompt(self, prompt: str) -> Chain:
         tokens = await asyncio.to_thread(self.tokenizer.encode, prompt)

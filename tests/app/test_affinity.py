@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -15,6 +16,8 @@ from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.fingerprint import edge_texts, fingerprint_view
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.session.affinity import AffinityPlanner
+from prefixpin.proxy.session.history import digest
+from prefixpin.proxy.session.implicit import Fingerprinter
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import clients_of, running_proxy
 from tests.app.test_parking import SlotFileFakeLlama, metric, park_files
@@ -179,6 +182,49 @@ async def test_only_keyless_requests_are_fingerprinted() -> None:
         body = await ask(client, conversation("B", 3))
         assert stats.misses == misses
     assert cached(body) > 0
+
+
+async def test_a_follow_up_its_history_decides_is_tokenized_after_its_answer() -> None:
+    """A keyless follow-up that repeats its session's committed history byte for byte is
+    planned without its fingerprint chain (the chain only nominates the other candidates):
+    its new messages are tokenized at the commit, once the engine has answered, and the
+    session keeps the chain of the whole request all the same."""
+    engine = FakeLlamaServer()
+    inner = engine.app()
+    misses_when_asked: list[int] = []
+    planners: list[AffinityPlanner] = []
+
+    async def watched(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+            fingerprinter = planners[0].fingerprinter
+            assert fingerprinter is not None
+            misses_when_asked.append(fingerprinter.cache.stats.misses)
+        await inner(scope, receive, send)
+
+    apps = create_apps(Settings(upstream="http://fake-llama", tokenizer=ensure_model("smollm2")),
+                       transport=StreamingASGITransport(watched))
+    app = apps.tenant
+    async with app.router.lifespan_context(app), clients_of(apps) as client:
+        planner = app.state.prefixpin.service.planner
+        assert isinstance(planner, AffinityPlanner)
+        assert planner.fingerprinter is not None
+        planners.append(planner)
+        stats = planner.fingerprinter.cache.stats
+        await ask(client, conversation("B", 3))
+        first = stats.misses
+        assert misses_when_asked == [first]  # a new history: its chain nominated candidates
+        history = conversation("B", 4)
+        await ask(client, history)
+        for _ in range(100):  # the commit follows the answer's end
+            if stats.misses > first:
+                break
+            await anyio.sleep(0.01)
+        assert misses_when_asked == [first, first]
+        assert stats.misses > first
+        (session,) = planner.store.keyless("anon")
+        fresh = Fingerprinter(planner.fingerprinter.tokenizer, planner.fingerprinter.markers)
+        assert session.chain == await fresh.chain_of_messages(
+            history, [digest(m) for m in history], planner._normalize_for_identity, "anon")
 
 
 def claude_turns(name: str, turns: int) -> list[dict[str, Any]]:

@@ -80,6 +80,24 @@ def test_a_session_s_turns_parse_as_whole_parses_do_and_reuse_what_they_keep(sty
     assert reused_total > 200
 
 
+@pytest.mark.parametrize("style", [0, 1, 2])
+def test_a_first_message_with_escapes_is_found_again(style: int) -> None:
+    """The first message (a system prompt) is skipped string by string: quotes after runs
+    of backslashes, brackets and a key's name inside its strings end no string early."""
+    tricky = ["\\", '\\"', '\\\"', '"]}', '{"messages": [', "\\\\", *TRICKY]
+    first = {"role": "system", "content": " ".join(tricky) * (MIN_BYTES // 60),
+             "name": '\\"]}'}
+    memo = BodyMemo()
+    history = [first, {"role": "user", "content": "hi"}]
+    raw = body(history, style=style)
+    memo.keep(raw, orjson.loads(raw))
+    later = body([*history, {"role": "assistant", "content": "ok"}], style=style)
+    parsed = memo.loads(later)
+    assert parsed is not None
+    assert parsed.reused == 2
+    assert parsed.value == orjson.loads(later)
+
+
 def test_a_resent_body_that_is_not_what_the_scan_reads_is_parsed_whole() -> None:
     memo = BodyMemo()
     history = [system(), {"role": "user", "content": "hi"}]
