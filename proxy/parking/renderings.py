@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from prefixpin.adapters.base import Adapter
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.session.tokens import common_text_prefix
 
 # The special tokens that open a turn in the chat templates of the model families
 # prefixpin anchors for (ChatML: Qwen, SmolLM2; Gemma; Llama 3; gpt-oss's harmony). Each is
 # used only where the engine's vocabulary has it as one special token.
 MARKERS = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>", "<|start|>")
 SESSIONS = 256  # sessions whose last rendering is kept, least recently used out first
-_BLOCK = 4096  # characters compared at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,7 @@ def _longest_cut(text: str, earlier: Sequence[Rendering],
     for rendering in earlier:
         if rendering.marker != marker or not rendering.cuts:
             continue
-        shared = _shared_chars(text, rendering.text)
+        shared = common_text_prefix(text, rendering.text)
         k = _last_cut_within(rendering.cuts, shared - len(marker.text))
         # (a cut at the text's start would have the engine tokenize it all: no splice)
         if k is not None and rendering.cuts[k] > 0 and (
@@ -228,15 +228,3 @@ def _cuts(text: str, tokens: Sequence[int],
     offsets = tuple(m.start() for m in re.finditer(re.escape(marker.text), text))
     indices = tuple(i for i, token in enumerate(tokens) if token == marker.token)
     return (offsets, indices) if len(offsets) == len(indices) else ((), ())
-
-
-def _shared_chars(a: str, b: str) -> int:
-    """How many characters ``a`` and ``b`` share from the start."""
-    n = min(len(a), len(b))
-    start = 0
-    while start < n and a[start:start + _BLOCK] == b[start:start + _BLOCK]:
-        start += _BLOCK
-    for index in range(start, min(start + _BLOCK, n)):
-        if a[index] != b[index]:
-            return index
-    return n

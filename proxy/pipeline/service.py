@@ -156,14 +156,16 @@ class ProxyService:
     def streaming_since(self) -> float | None:
         """When the oldest engine stream still being read got its answer's head
         (``time.monotonic``), or None: the watch needs no probe while one stays open."""
-        heads = [g.timeline.head for g in self.generations if not g.answered]
-        return min((head for head in heads if head is not None), default=None)
+        return self._oldest_head(prefilling=False)
 
     def prefilling_since(self) -> float | None:
         """When the oldest engine stream being read that has no output yet (the engine
         prefills its prompt) got its answer's head, or None: the watch puts a probe off."""
-        heads = [g.timeline.head for g in self.generations
-                 if not g.answered and g.timeline.first_output is None]
+        return self._oldest_head(prefilling=True)
+
+    def _oldest_head(self, *, prefilling: bool) -> float | None:
+        heads = [g.timeline.head for g in self.generations if not g.answered
+                 and not (prefilling and g.timeline.first_output is not None)]
         return min((head for head in heads if head is not None), default=None)
 
     @property

@@ -12,7 +12,7 @@ enforces is not exceeded.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -84,16 +84,26 @@ def _message_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-# Token runs are compared a block at a time (a C comparison of two lists), then the block
-# that differs token by token: a whole conversation's ids are a hundred thousand of them.
+# Runs are compared a block at a time (one C comparison), then the block that differs item
+# by item: a whole conversation's ids are a hundred thousand of them, its text more.
 _BLOCK = 4096
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from the start."""
+    """How many tokens ``a`` and ``b`` share from the start (lists and arrays alike)."""
+    return _shared_run(a, b, lambda start, end: list(a[start:end]) == list(b[start:end]))
+
+
+def common_text_prefix(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` share from the start."""
+    return _shared_run(a, b, lambda start, end: a[start:end] == b[start:end])
+
+
+def _shared_run(a: Sequence[object], b: Sequence[object],
+                same_block: Callable[[int, int], bool]) -> int:
     n = min(len(a), len(b))
     start = 0
-    while start < n and list(a[start:start + _BLOCK]) == list(b[start:start + _BLOCK]):
+    while start < n and same_block(start, start + _BLOCK):
         start += _BLOCK
     for index in range(start, min(start + _BLOCK, n)):
         if a[index] != b[index]:

@@ -16,7 +16,8 @@ import pytest
 
 from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import next_request_opening, prompt_opening
-from prefixpin.proxy.parking.renderings import Renderings, _last_cut_within, _shared_chars
+from prefixpin.proxy.parking.renderings import Renderings, _last_cut_within
+from prefixpin.proxy.session.tokens import common_text_prefix
 from tests.e2e.helpers import filler
 
 pytestmark = pytest.mark.anyio
@@ -168,8 +169,8 @@ async def test_a_restarted_engine_with_another_vocabulary_is_caught() -> None:
 @pytest.mark.parametrize(("a", "b", "shared"), [("", "x", 0), ("abc", "abd", 2),
                                                  ("a" * 9000, "a" * 9000 + "b", 9000),
                                                  ("a" * 5000 + "x", "a" * 5000 + "y", 5000)])
-def test_shared_chars(a: str, b: str, shared: int) -> None:
-    assert _shared_chars(a, b) == _shared_chars(b, a) == shared
+def test_common_text_prefix(a: str, b: str, shared: int) -> None:
+    assert common_text_prefix(a, b) == common_text_prefix(b, a) == shared
 
 
 @pytest.mark.parametrize(("cuts", "limit", "index"), [((), 5, None), ((3,), 2, None),
