@@ -132,6 +132,12 @@ class Metrics:
                                      "computation's first, nothing to splice onto), whole "
                                      "(an earlier rendering did not fit: logged)",
                                      ["outcome"], registry=r)
+        self.template_renderings = Counter(
+            "prefixpin_template_renderings", "Renderings of a conversation by the engine's "
+            "template for anchors and snapshots: window (the engine rendered the turns from "
+            "the last user message on, spliced onto the session's previous rendering), first "
+            "(nothing to splice onto), whole (a window did not fit: logged)",
+            ["outcome"], registry=r)
         self.limit_refusals = Counter("prefixpin_limit_refusals", "Connections and requests "
                                       "refused at a bound (connections, head_timeout, "
                                       "body_timeout, head_size, body_chunks, body_size, "

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prefixpin.adapters.base import Adapter
 from prefixpin.core.errors import ProxyError
@@ -52,16 +52,28 @@ _NEXT_TURNS = ("A", "0\n")
 # renderings of the turn it opens is where any reply to it starts.
 _REPLIES = _NEXT_TURNS
 
-# A rendered text's tokens as the chat path makes them: the engine's whole tokenization
-# (``whole``), or a ``renderings.Tokenizer`` that has it tokenize only what is new.
-Tokenize = Callable[[str], Awaitable[list[int]]]
+
+class Texts(Protocol):
+    """How a computation has the engine render a body with its template and tokenize a
+    text as the chat path does: whole (``Whole``), or only what is new
+    (``renderings.Conversation``)."""
+
+    async def render(self, body: Mapping[str, Any]) -> str: ...
+
+    async def tokenize(self, text: str) -> list[int]: ...
 
 
-def whole(adapter: Adapter) -> Tokenize:
-    async def tokenize(text: str) -> list[int]:
-        return await adapter.tokenize(text, add_special=True)
+class Whole:
+    """Every rendering and tokenization whole, nothing kept."""
 
-    return tokenize
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+
+    async def render(self, body: Mapping[str, Any]) -> str:
+        return await self.adapter.apply_template(body)
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.adapter.tokenize(text, add_special=True)
 
 
 async def when_idle(pool: SlotPool, slot: int, session_id: str,
@@ -78,68 +90,69 @@ async def when_idle(pool: SlotPool, slot: int, session_id: str,
 
 async def next_request_opening(adapter: Adapter, body: Mapping[str, Any],
                                reply: Mapping[str, Any] | None,
-                               tokenize: Tokenize | None = None) -> list[int] | None:
+                               texts: Texts | None = None) -> list[int] | None:
     """The tokens every next request of this conversation starts with: ``body``'s messages,
     the ``reply`` as the template renders an earlier assistant turn, up to the next user
     turn's text. None for a body without messages, or no reply to anchor."""
     messages = body.get("messages")
     if not isinstance(messages, list) or reply is None:
         return None
-    return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)], tokenize)
+    return await tokens_before_user_turn(adapter, body, [*messages, dict(reply)], texts)
 
 
 async def prompt_tokens(adapter: Adapter, body: Mapping[str, Any],
-                        tokenize: Tokenize | None = None) -> list[int] | None:
+                        texts: Texts | None = None) -> list[int] | None:
     """The request's prompt as the engine tokenizes it (its template's rendering of the
     messages, or its raw prompt); None when that prompt is not text."""
-    text = await adapter.apply_template(body) if "messages" in body else body.get("prompt")
+    texts = texts or Whole(adapter)
+    text = await texts.render(body) if "messages" in body else body.get("prompt")
     if not isinstance(text, str):
         return None
-    return await (tokenize or whole(adapter))(text)
+    return await texts.tokenize(text)
 
 
 async def prompt_opening(adapter: Adapter, body: Mapping[str, Any],
-                         tokenize: Tokenize | None = None
+                         texts: Texts | None = None
                          ) -> tuple[list[int], list[int]] | None:
     """The request's prompt tokens, and the part of them every next request of the
     conversation starts with, whatever reply it sends back in the turn this prompt opens
     (interrupted, regenerated, edited, rewritten): the prompt up to where its reply starts,
     as the template renders an earlier assistant turn. None for a body without messages."""
     messages = body.get("messages")
-    tokenize = tokenize or whole(adapter)
-    prompt = await prompt_tokens(adapter, body, tokenize)
+    texts = texts or Whole(adapter)
+    prompt = await prompt_tokens(adapter, body, texts)
     if not isinstance(messages, list) or prompt is None:
         return None
     shared = len(prompt)
     for reply in _REPLIES:
         following = [*messages, {"role": "assistant", "content": reply},
                      {"role": "user", "content": _NEXT_TURNS[0]}]
-        text = await adapter.apply_template({**body, "messages": following})
-        shared = min(shared, common_prefix(prompt, await tokenize(text)))
+        text = await texts.render({**body, "messages": following})
+        shared = min(shared, common_prefix(prompt, await texts.tokenize(text)))
     return prompt, prompt[:shared]
 
 
 async def tokens_before_user_turn(adapter: Adapter, body: Mapping[str, Any],
                                   messages: Sequence[Mapping[str, Any]],
-                                  tokenize: Tokenize | None = None) -> list[int]:
+                                  texts: Texts | None = None) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` and then any user turn starts with:
     the two renderings of ``_NEXT_TURNS`` share exactly that."""
     first, second = ({"role": "user", "content": text} for text in _NEXT_TURNS)
-    return await tokens_shared(adapter, body, messages, first, second, tokenize)
+    return await tokens_shared(adapter, body, messages, first, second, texts)
 
 
 async def tokens_shared(adapter: Adapter, body: Mapping[str, Any],
                         messages: Sequence[Mapping[str, Any]], one: Mapping[str, Any],
-                        other: Mapping[str, Any], tokenize: Tokenize | None = None
+                        other: Mapping[str, Any], texts: Texts | None = None
                         ) -> list[int]:
     """The tokens ``body`` rendered with ``messages`` then ``one``, and with ``messages``
     then ``other``, start with: what any next message after ``messages`` leaves as it is,
     where the two differ from their first token."""
-    tokenize = tokenize or whole(adapter)
+    texts = texts or Whole(adapter)
     renderings = []
     for last in (one, other):
-        prompt = await adapter.apply_template({**body, "messages": [*messages, last]})
-        renderings.append(await tokenize(prompt))
+        prompt = await texts.render({**body, "messages": [*messages, last]})
+        renderings.append(await texts.tokenize(prompt))
     first, second = renderings
     return first[:common_prefix(first, second)]
 
@@ -177,11 +190,11 @@ class Anchorer:
         if session is None or session.committed is None or session.committed.body is None:
             return None
         started = time.monotonic()
-        tokenize = self.renderings.of(session_id)
+        texts = self.renderings.of(session_id)
         try:
             opening = await next_request_opening(self.adapter, session.committed.body,
-                                                 session.repair.last_reply, tokenize)
-            tokenize.keep()
+                                                 session.repair.last_reply, texts)
+            texts.keep()
             if not opening:
                 return None
             held = await self.adapter.prefill(slot, opening)

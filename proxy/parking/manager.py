@@ -39,7 +39,7 @@ from prefixpin.proxy.parking.anchor import (
 )
 from prefixpin.proxy.parking.index import ParkIndexStore, ParkRecord, scope_of
 from prefixpin.proxy.parking.limits import EngineLimits
-from prefixpin.proxy.parking.renderings import Tokenizer
+from prefixpin.proxy.parking.renderings import Conversation
 from prefixpin.proxy.parking.slotfile import (
     PARK_PREFIX,
     SlotFileError,
@@ -316,9 +316,9 @@ class ParkManager:
             return False
         return total - replaced + estimate <= self.config.max_bytes
 
-    def _tokenizer(self, session_id: str) -> Tokenizer | None:
-        """The session's renderings tokenized past what its last one shares (the anchorer
-        keeps them); None without anchoring (each is tokenized whole)."""
+    def _texts(self, session_id: str) -> Conversation | None:
+        """The session's renderings, windowed and tokenized past what its last one shares
+        (the anchorer keeps them); None without anchoring (each is whole)."""
         return self.anchorer.renderings.of(session_id) if self.anchorer is not None else None
 
     async def _session_of(self, session_id: str) -> Session | None:
@@ -495,15 +495,15 @@ class ParkManager:
         """The longest parked state the request's prompt extends (the engine would
         re-process anything else: no checkpoint survives a restore): the anchored file
         ``record`` holding ``held``, else the session's prompt-end snapshot; else why not."""
-        tokenize = self._tokenizer(session.id)
+        texts = self._texts(session.id)
         try:
-            prompt = await prompt_tokens(self.adapter, body, tokenize)
+            prompt = await prompt_tokens(self.adapter, body, texts)
         except ProxyError as exc:
             return f"cannot compare the request's tokens with the file's ({exc.message})"
         if prompt is None:
             return "the request's prompt is not text: its tokens cannot be compared"
-        if tokenize is not None:
-            tokenize.keep()
+        if texts is not None:
+            texts.keep()
         if _extends(prompt, held):
             return record
         snapshot = await self._snapshot_extended(session, body, prompt)
@@ -665,16 +665,16 @@ class ParkManager:
         session = await self._session_of(session_id)
         if session is None or session.committed is None or session.committed.body is None:
             return None
-        tokenize = self._tokenizer(session.id)
+        texts = self._texts(session.id)
         try:
-            rendered = await prompt_opening(self.adapter, session.committed.body, tokenize)
+            rendered = await prompt_opening(self.adapter, session.committed.body, texts)
         except ProxyError as exc:
             self._snapshot_skipped(session, "failed", f"prompt not rendered: {exc.message}")
             return None
         if rendered is None:
             return None
-        if tokenize is not None:
-            tokenize.keep()
+        if texts is not None:
+            texts.keep()
         prompt, opening = rendered
         current = self._snapshot_holding(session, opening)
         if current is not None:  # a regenerate: the same prompt, restored from it

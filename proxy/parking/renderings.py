@@ -4,7 +4,8 @@ text a rendering adds to an earlier one.
 After a turn on an engine short of slots, anchoring and the prompt-end snapshot (``anchor``)
 need the tokens of several renderings of the whole conversation. The engine renders them
 (``/apply-template``: only the template knows what it does with earlier turns, and Qwen3.5's
-rewrites them), but each rendering starts with most of an earlier one: a sibling rendering
+rewrites them), from the last user message on where that fits (``windows``). Each
+rendering starts with most of an earlier one: a sibling rendering
 of the same turn, or the one the session's previous turn left. llama.cpp tokenizes a text,
 special tokens parsed, in fragments cut at each special token, every fragment on its own
 (``llama-vocab.cpp``: ``tokenizer_st_partition``, then one tokenizer session a fragment).
@@ -24,12 +25,14 @@ import logging
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prefixpin.adapters.base import Adapter
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
+from prefixpin.proxy.parking.windows import Outcome, Rendered, render_body
 from prefixpin.proxy.session.tokens import common_text_prefix
 
 # The special tokens that open a turn in the chat templates of the model families
@@ -71,12 +74,13 @@ class Renderings:
         self.bound = bound
         self._markers: dict[str, Marker | None] = {}  # probed once per engine process
         self._last: OrderedDict[str, Rendering] = OrderedDict()
+        self._rendered: OrderedDict[str, Rendered] = OrderedDict()
         self._unmarked_said = False  # an engine without markers is said once, not each time
 
-    def of(self, session_id: str | None) -> Tokenizer:
-        """A tokenizer for one computation on ``session_id``'s conversation (None: one
-        that keeps nothing past the computation)."""
-        return Tokenizer(self, session_id)
+    def of(self, session_id: str | None) -> Conversation:
+        """One computation on ``session_id``'s conversation (None: one that keeps nothing
+        past the computation)."""
+        return Conversation(self, session_id)
 
     def last(self, session_id: str) -> Rendering | None:
         return self._last.get(session_id)
@@ -87,14 +91,31 @@ class Renderings:
         while len(self._last) > self.bound:
             self._last.popitem(last=False)
 
+    def rendered(self, session_id: str) -> Rendered | None:
+        return self._rendered.get(session_id)
+
+    def keep_rendered(self, session_id: str, rendered: Rendered) -> None:
+        self._rendered[session_id] = rendered
+        self._rendered.move_to_end(session_id)
+        while len(self._rendered) > self.bound:
+            self._rendered.popitem(last=False)
+
+    def counted(self, outcome: Outcome, session_id: str | None) -> None:
+        self.metrics.template_renderings.labels(outcome.how).inc()
+        if outcome.why:
+            log_event(self.log, logging.INFO, "rendering rendered whole",
+                      session=session_id, chars=len(outcome.rendered.text), reason=outcome.why)
+
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
+        self._rendered.pop(session_id, None)
 
     def engine_restarted(self) -> None:
         """Another engine process (perhaps another model, another vocabulary): nothing
         tokenized before is reused."""
         self._markers.clear()
         self._last.clear()
+        self._rendered.clear()
         self._unmarked_said = False
 
     async def tokenize(self, text: str, earlier: Sequence[Rendering],
@@ -164,26 +185,40 @@ class Renderings:
         return Marker(candidate, parsed[0])
 
 
-class Tokenizer:
-    """The tokenizations of one computation on one conversation (``anchor``'s helpers call
-    it with each rendering): each spliced onto the longest shared of the computation's
-    earlier renderings and the session's last one; ``keep`` leaves the latest for the
-    session's next computation."""
+class Conversation:
+    """The renderings and tokenizations of one computation on one conversation
+    (``anchor``'s helpers call it with each body and each text): each rendering spliced
+    from a window onto the computation's or the session's latest (``windows``), each
+    tokenization onto the longest shared of the computation's earlier renderings and the
+    session's last one; ``keep`` leaves the latest of both for the session's next
+    computation."""
 
     def __init__(self, renderings: Renderings, session_id: str | None) -> None:
         self.renderings = renderings
         self.session_id = session_id
         last = renderings.last(session_id) if session_id is not None else None
         self.done: list[Rendering] = [last] if last is not None else []
+        self.rendered = renderings.rendered(session_id) if session_id is not None else None
 
-    async def __call__(self, text: str) -> list[int]:
+    async def render(self, body: Mapping[str, Any]) -> str:
+        outcome = await render_body(self.renderings.adapter.apply_template, body,
+                                    self.rendered)
+        self.renderings.counted(outcome, self.session_id)
+        self.rendered = outcome.rendered
+        return outcome.rendered.text
+
+    async def tokenize(self, text: str) -> list[int]:
         rendering = await self.renderings.tokenize(text, self.done, self.session_id)
         self.done.append(rendering)
         return rendering.tokens.tolist()
 
     def keep(self) -> None:
-        if self.session_id is not None and self.done:
+        if self.session_id is None:
+            return
+        if self.done:
             self.renderings.keep(self.session_id, self.done[-1])
+        if self.rendered is not None:
+            self.renderings.keep_rendered(self.session_id, self.rendered)
 
 
 def _longest_cut(text: str, earlier: Sequence[Rendering],

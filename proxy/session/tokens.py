@@ -99,6 +99,20 @@ def common_text_prefix(a: str, b: str) -> int:
     return _shared_run(a, b, lambda start, end: a[start:end] == b[start:end])
 
 
+def common_text_suffix(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` share at the end."""
+    n, end_a, end_b = min(len(a), len(b)), len(a), len(b)
+    shared = 0
+    while shared < n:
+        step = min(_BLOCK, n - shared)
+        if a[end_a - shared - step:end_a - shared] != b[end_b - shared - step:end_b - shared]:
+            break
+        shared += step
+    while shared < n and a[end_a - shared - 1] == b[end_b - shared - 1]:
+        shared += 1
+    return shared
+
+
 def _shared_run(a: Sequence[object], b: Sequence[object],
                 same_block: Callable[[int, int], bool]) -> int:
     n = min(len(a), len(b))

@@ -29,7 +29,7 @@ from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import (
-    Tokenize,
+    Texts,
     next_request_opening,
     prompt_opening,
     prompt_tokens,
@@ -149,14 +149,14 @@ def next_messages(name: str, reply: Json, turn: int) -> list[Json]:
 
 
 def computation(kind: str, adapter: Adapter, body: Json, reply: Json,
-                tokenize: Tokenize | None) -> Awaitable[Any]:
+                texts: Texts | None) -> Awaitable[Any]:
     """The restore path's prompt, the snapshot's opening or the anchor's."""
     match kind:
         case "restore":
-            return prompt_tokens(adapter, body, tokenize)
+            return prompt_tokens(adapter, body, texts)
         case "snapshot":
-            return prompt_opening(adapter, body, tokenize)
-    return next_request_opening(adapter, body, reply, tokenize)
+            return prompt_opening(adapter, body, texts)
+    return next_request_opening(adapter, body, reply, texts)
 
 
 async def both(whole: Any, spliced: Any) -> Any:
@@ -193,11 +193,10 @@ async def test_spliced_tokenizations_equal_the_whole_ones_turn_after_turn(
         # the anchor; each computation keeps its last rendering for the next one.
         results = []
         for kind in ("restore", "snapshot", "anchor"):
-            tokenize = renderings.of("s")
+            texts = renderings.of("s")
             results.append(await both(computation(kind, whole.adapter, body, reply, None),
-                                      computation(kind, spliced.adapter, body, reply,
-                                                  tokenize)))
-            tokenize.keep()
+                                      computation(kind, spliced.adapter, body, reply, texts)))
+            texts.keep()
         refused += sum(r is None for r in results)
         computed += sum(r is not None for r in results)
         tokenized[turn] = (whole.take(), spliced.take())
@@ -209,18 +208,27 @@ async def test_spliced_tokenizations_equal_the_whole_ones_turn_after_turn(
     spliced_count, first_count, whole_count = (
         metrics.registry.get_sample_value("prefixpin_tokenizations_total", {"outcome": o})
         for o in ("spliced", "first", "whole"))
+    windows, whole_renderings = (
+        metrics.registry.get_sample_value("prefixpin_template_renderings_total",
+                                          {"outcome": o}) for o in ("window", "whole"))
     print(f"\n{name}: {computed} computed, {refused} refused; tokenizations spliced "
-          f"{spliced_count}, first {first_count}, whole {whole_count}")
+          f"{spliced_count}, first {first_count}, whole {whole_count}; renderings windowed "
+          f"{windows}, whole {whole_renderings}")
     assert computed >= 3 * (TURNS - 1), (computed, refused)
+    # Every template here renders a window from a user turn as the whole conversation does
+    # (Gemma's folds the system prompt into the window's first turn: the splice keeps it).
+    assert windows
+    assert not whole_renderings
+    early, late = tokenized[2][1], tokenized[TURNS][1]
+    assert late["/apply-template"] < 3 * early["/apply-template"], (early, late)
+    assert late["/apply-template"] * 3 < tokenized[TURNS][0]["/apply-template"]
     if name == "gemma3-chatml":  # no special token to cut at: every rendering whole, said
         assert not spliced_count
         assert whole_count
         return
     assert first_count == 1
     assert not whole_count
-    # What /tokenize sends and reads stays the size of a turn; the template's rendering
-    # (the engine alone knows it) is still sent and read whole.
-    early, late = tokenized[2][1], tokenized[TURNS][1]
+    # What /tokenize sends and reads stays the size of a turn too.
     print(f"{name} engine bytes per turn, whole / spliced: "
           f"turn 2 {tokenized[2][0]} / {early}; turn {TURNS} {tokenized[TURNS][0]} / {late}")
     assert late["/tokenize"] < 3 * early["/tokenize"], (early, late)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import next_request_opening, prompt_opening
 from prefixpin.proxy.parking.renderings import Renderings, _last_cut_within
@@ -31,17 +32,31 @@ class FakeEngine:
     each special token, each piece between on its own (here: words, spaces, signs), a BOS
     added. Counts the bytes each call sends and reads, as JSON on the wire."""
 
-    def __init__(self, special: Mapping[str, int] | None = None, header: str = "") -> None:
+    def __init__(self, special: Mapping[str, int] | None = None, header: str = "",
+                 template: str = "chatml") -> None:
         self.special = dict(special if special is not None else
                             {"<|im_start|>": 1, "<|im_end|>": 2})
         self.header = header  # rendered first, with the size of the messages: never the same
+        # "chatml"; "qwen35": an assistant turn's reasoning only after the last user query;
+        # "gemma": the system prompt folded into the first user turn, roles alternating
+        self.template = template
         self.vocab: dict[str, int] = {}
         self.bytes = {"/apply-template": 0, "/tokenize": 0}
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
-        messages = body["messages"]
-        text = self.header.format(len(json.dumps(messages))) + "".join(
-            f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
+        messages = list(body["messages"])
+        system = ""
+        if self.template == "gemma" and messages[0]["role"] == "system":
+            system = messages.pop(0)["content"] + "\n\n"
+        last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        text = self.header.format(len(json.dumps(messages)))
+        for i, m in enumerate(messages):
+            if self.template == "gemma" and (m["role"] == "user") != (i % 2 == 0):
+                raise ProxyError("roles must alternate user/assistant/user/assistant/...")
+            content = m.get("content") or ""
+            if self.template == "qwen35" and m["role"] == "assistant" and i > last_query:
+                content = f"<think>{m.get('reasoning_content', '')}</think>{content}"
+            text += f"<|im_start|>{m['role']}\n{system if i == 0 else ''}{content}<|im_end|>\n"
         text += "<|im_start|>assistant\n"
         self._count("/apply-template", body, {"prompt": text})
         return text
@@ -75,9 +90,13 @@ def renderings_on(engine: FakeEngine) -> tuple[Renderings, Metrics]:
     return Renderings(engine, metrics, logging.getLogger("test")), metrics  # type: ignore[arg-type]
 
 
-def counted(metrics: Metrics, outcome: str) -> float:
-    return metrics.registry.get_sample_value("prefixpin_tokenizations_total",
-                                             {"outcome": outcome}) or 0.0
+def counted(metrics: Metrics, outcome: str,
+            name: str = "prefixpin_tokenizations_total") -> float:
+    return metrics.registry.get_sample_value(name, {"outcome": outcome}) or 0.0
+
+
+def rendered(metrics: Metrics, outcome: str) -> float:
+    return counted(metrics, outcome, "prefixpin_template_renderings_total")
 
 
 async def one_turn(engine: FakeEngine, renderings: Renderings, body: Json,
@@ -95,13 +114,18 @@ async def one_turn(engine: FakeEngine, renderings: Renderings, body: Json,
     return bytes_spliced, engine.take()
 
 
-def conversation(turns: int) -> list[tuple[Json, Json]]:
-    """A session's bodies and replies, each reply sent back as returned or edited."""
+def conversation(turns: int, tools: bool = False) -> list[tuple[Json, Json]]:
+    """A session's bodies and replies, each reply sent back as returned or edited; with
+    ``tools``, a user turn every third turn and tool results between (the reply reasons)."""
     messages: list[Json] = [{"role": "system", "content": filler(300, seed=1)}]
     out = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": filler(40, seed=turn)})
-        reply = {"role": "assistant", "content": filler(60, seed=50 + turn)}
+        if not tools or turn % 3 == 0:
+            messages.append({"role": "user", "content": filler(40, seed=turn)})
+        else:
+            messages.append({"role": "tool", "content": filler(80, seed=90 + turn)})
+        reply = {"role": "assistant", "content": filler(60, seed=50 + turn),
+                 "reasoning_content": filler(20, seed=70 + turn)}
         out.append(({"messages": list(messages)}, reply))
         messages.append(reply if turn % 2 else {**reply, "content": "edited " + reply["content"]})
     return out
@@ -116,11 +140,26 @@ async def test_spliced_tokens_equal_the_whole_ones_and_stay_the_size_of_a_turn()
     assert late["/tokenize"] < 1.5 * early["/tokenize"], (early, late)
     assert late_whole["/tokenize"] > 4 * early_whole["/tokenize"]  # the whole way grows
     assert late["/tokenize"] * 10 < late_whole["/tokenize"]
-    # The template's rendering is still asked for whole: only the engine knows it.
-    assert late["/apply-template"] == late_whole["/apply-template"]
+    # The template renders the turns from the last user message on (and the system's).
+    assert late["/apply-template"] < 1.5 * early["/apply-template"], (early, late)
+    assert late["/apply-template"] * 4 < late_whole["/apply-template"]
     assert counted(metrics, "first") == 1
     assert counted(metrics, "whole") == 0
     assert counted(metrics, "spliced") == 5 * 20 - 1
+    assert (rendered(metrics, "first"), rendered(metrics, "window")) == (1, 5 * 20 - 1)
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen35", "gemma"])
+async def test_windowed_renderings_equal_the_whole_ones(template: str) -> None:
+    """Tool turns between user turns, reasoning a template drops before the last user
+    query, a system prompt folded into the first user turn: the same tokens as the whole
+    way, turn after turn. Gemma's alternation refuses a window of tool turns, said."""
+    engine = FakeEngine(template=template)
+    renderings, metrics = renderings_on(engine)
+    for body, reply in conversation(12, tools=template != "gemma"):
+        await one_turn(engine, renderings, body, reply)
+    assert rendered(metrics, "window") > 40
+    assert rendered(metrics, "whole") == 0
 
 
 async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_said(
@@ -136,6 +175,12 @@ async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_sa
     reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
                if r.getMessage() == "rendering tokenized whole"}
     assert reasons == {"it shares no turn marker with an earlier rendering"}
+    # Its header counts the messages: a window's never matches the whole rendering's.
+    # (Turn 0's and the edited reply's windows start at the first user turn: the whole.)
+    assert (rendered(metrics, "whole"), rendered(metrics, "window")) == (9, 5)
+    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
+               if r.getMessage() == "rendering rendered whole"}
+    assert reasons == {"the window's text does not end the whole rendering"}
 
 
 async def test_a_marker_that_is_not_a_special_token_is_never_a_cut(

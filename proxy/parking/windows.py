@@ -1,0 +1,142 @@
+"""Windowed renderings: a conversation's template rendering, the engine rendering only the
+turns from its last user message on.
+
+Anchoring and the prompt-end snapshot (``anchor``) need several renderings of the whole
+conversation after each turn. Only the engine's template knows how a conversation renders
+(Qwen3.5's rewrites earlier assistant turns), so the engine renders it (``/apply-template``),
+but not the whole of it every time. A rendering here is spliced from the session's previous
+one and a *window*: the template applied to the leading system messages and the messages
+from a user message on. Templates render each turn from the turn itself, the messages after
+it and the last user query (Qwen3.5 drops the reasoning of assistant turns before it): a
+window that starts at a user message the previous rendering already had sees everything a
+turn after it depends on, and the turns before it render as they did.
+
+Nothing of that is assumed: the window the previous rendering would have had is rendered
+too (or kept from the previous splice), and it must end with the same text as the previous
+rendering, after a start that is the previous rendering's own start (the header: the
+system messages, the tools). The text the two share at their ends is what the window's
+messages render to in the whole conversation; the new window's text from the same point
+takes its place. A template whose header or turns depend on what the window leaves out (a
+count of messages, a system prompt folded into the first user turn and nowhere else) fails
+that check, or fails to render a window at all (Gemma's alternation check), and the
+conversation is rendered whole, counted in ``prefixpin_template_renderings_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixpin.core.errors import ProxyError
+from prefixpin.proxy.session.tokens import common_text_suffix
+
+Render = Callable[[Mapping[str, Any]], Awaitable[str]]
+Messages = Sequence[Mapping[str, Any]]
+
+_HEAD_ROLES = frozenset({"system", "developer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A body's rendering, and the window it was spliced with: ``window`` is the template
+    applied to the leading system messages and ``messages[start:]`` (``start`` 0: none)."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    rest: Mapping[str, Any]  # the body but its messages: the tools, the template's flags
+    text: str
+    start: int = 0
+    window: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    rendered: Rendered
+    how: str  # "first", "window" or "whole" (a window did not fit, ``why`` says why)
+    why: str = ""
+
+
+async def render_body(render: Render, body: Mapping[str, Any],
+                      last: Rendered | None) -> Outcome:
+    """``body``'s rendering, from a window spliced onto ``last`` where that fits."""
+    messages = tuple(body.get("messages") or ())
+    rest = {key: value for key, value in body.items() if key != "messages"}
+    if last is None:
+        return Outcome(await _whole(render, body, messages, rest), "first")
+    why = _unfit(last, messages, rest)
+    start = None if why else _window_start(last.messages, messages)
+    if start is None:
+        return Outcome(await _whole(render, body, messages, rest), "whole",
+                       why or "no user message to start a window at")
+    try:
+        spliced = await _spliced(render, last, messages, rest, start)
+    except ProxyError as exc:  # a template that refuses a window (Gemma's alternation)
+        spliced, why = None, f"the template refused a window: {exc.message}"
+    if spliced is None:
+        return Outcome(await _whole(render, body, messages, rest), "whole",
+                       why or "the window's text does not end the whole rendering")
+    return Outcome(spliced, "window")
+
+
+async def _whole(render: Render, body: Mapping[str, Any], messages: tuple[Mapping[str, Any], ...],
+                 rest: Mapping[str, Any]) -> Rendered:
+    return Rendered(messages, rest, await render(body))
+
+
+def _unfit(last: Rendered, messages: Messages, rest: Mapping[str, Any]) -> str:
+    if rest != last.rest:
+        return "the body's tools or template flags changed"
+    head = _head(messages)
+    if head != _head(last.messages) or _shared(last.messages, messages, head) < head:
+        return "the system messages changed"
+    return ""
+
+
+def _head(messages: Messages) -> int:
+    """How many messages lead with the system's roles (every window starts with them)."""
+    count = 0
+    for message in messages:
+        if message.get("role") not in _HEAD_ROLES:
+            break
+        count += 1
+    return count
+
+
+def _shared(a: Messages, b: Messages, limit: int | None = None) -> int:
+    """How many leading messages ``a`` and ``b`` share (the same objects, or equal)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    for index in range(n):
+        if a[index] is not b[index] and a[index] != b[index]:
+            return index
+    return n
+
+
+def _window_start(before: Messages, messages: Messages) -> int | None:
+    """The last user message after the system messages that ``before`` had where
+    ``messages`` has it, with the same messages before it: the last user query of
+    ``before`` is at or after it, so every turn before it rendered as it will now."""
+    shared = _shared(before, messages)
+    head = _head(messages)
+    for index in range(shared - 1, head - 1, -1):  # the message itself shared too
+        if before[index].get("role") == "user":
+            return index
+    return None
+
+
+async def _spliced(render: Render, last: Rendered, messages: tuple[Mapping[str, Any], ...],
+                   rest: Mapping[str, Any], start: int) -> Rendered | None:
+    head = list(messages[:_head(messages)])
+    if start == len(head):  # the window is the conversation
+        text = await render({**rest, "messages": list(messages)})
+        return Rendered(messages, rest, text, start, text)
+    before = (last.window if last.start == start and last.window else
+              await render({**rest, "messages": [*head, *last.messages[start:]]}))
+    after = await render({**rest, "messages": [*head, *messages[start:]]})
+    tail = common_text_suffix(last.text, before)
+    lead = len(before) - tail  # the window's own start: the header, nothing of its turns
+    if tail == 0 or lead > len(last.text) - tail or not last.text.startswith(before[:lead]):
+        return None
+    if not after.startswith(before[:lead]):
+        return None
+    text = last.text[:len(last.text) - tail] + after[lead:]
+    return Rendered(messages, rest, text, start, after)
