@@ -18,7 +18,7 @@ from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking.anchor import next_request_opening, prompt_opening
 from prefixpin.proxy.parking.renderings import Renderings, _last_cut_within
-from prefixpin.proxy.session.tokens import common_text_prefix
+from prefixpin.proxy.session.tokens import common_text_prefix, common_text_suffix
 from tests.e2e.helpers import filler
 
 pytestmark = pytest.mark.anyio
@@ -38,7 +38,8 @@ class FakeEngine:
                             {"<|im_start|>": 1, "<|im_end|>": 2})
         self.header = header  # rendered first, with the size of the messages: never the same
         # "chatml"; "qwen35": an assistant turn's reasoning only after the last user query;
-        # "gemma": the system prompt folded into the first user turn, roles alternating
+        # "gemma": the system prompt folded into the first user turn, roles alternating;
+        # "first-turn": refuses a conversation whose first user turn is not the session's
         self.template = template
         self.vocab: dict[str, int] = {}
         self.bytes = {"/apply-template": 0, "/tokenize": 0}
@@ -49,6 +50,8 @@ class FakeEngine:
         if self.template == "gemma" and messages[0]["role"] == "system":
             system = messages.pop(0)["content"] + "\n\n"
         last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        if self.template == "first-turn" and messages[1]["content"] != FIRST_TURN:
+            raise ProxyError("the conversation must open with the session's first turn")
         text = self.header.format(len(json.dumps(messages)))
         for i, m in enumerate(messages):
             if self.template == "gemma" and (m["role"] == "user") != (i % 2 == 0):
@@ -112,6 +115,9 @@ async def one_turn(engine: FakeEngine, renderings: Renderings, body: Json,
     assert spliced[0] == await prompt_opening(engine, body)  # type: ignore[arg-type]
     assert spliced[1] == await next_request_opening(engine, body, reply)  # type: ignore[arg-type]
     return bytes_spliced, engine.take()
+
+
+FIRST_TURN = filler(40, seed=0)
 
 
 def conversation(turns: int, tools: bool = False) -> list[tuple[Json, Json]]:
@@ -183,6 +189,20 @@ async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_sa
     assert reasons == {"the window's text does not end the whole rendering"}
 
 
+async def test_a_template_that_refuses_a_window_is_rendered_whole_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine(template="first-turn")
+    renderings, metrics = renderings_on(engine)
+    caplog.set_level(logging.INFO)
+    for body, reply in conversation(4):
+        await one_turn(engine, renderings, body, reply)
+    assert rendered(metrics, "whole") > 0
+    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
+               if r.getMessage() == "rendering rendered whole"}
+    assert reasons == {"the template refused a window: the conversation must open with the "
+                       "session's first turn"}
+
+
 async def test_a_marker_that_is_not_a_special_token_is_never_a_cut(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(special={"<|im_end|>": 2})
@@ -216,6 +236,14 @@ async def test_a_restarted_engine_with_another_vocabulary_is_caught() -> None:
                                                  ("a" * 5000 + "x", "a" * 5000 + "y", 5000)])
 def test_common_text_prefix(a: str, b: str, shared: int) -> None:
     assert common_text_prefix(a, b) == common_text_prefix(b, a) == shared
+
+
+@pytest.mark.parametrize(("a", "b", "shared"), [("", "x", 0), ("abc", "xbc", 2),
+                                                 ("a" * 9000, "b" + "a" * 9000, 9000),
+                                                 ("x" + "a" * 5000, "y" + "a" * 5000, 5000),
+                                                 ("ab" * 3000, "b" + "ab" * 3000, 6000)])
+def test_common_text_suffix(a: str, b: str, shared: int) -> None:
+    assert common_text_suffix(a, b) == common_text_suffix(b, a) == shared
 
 
 @pytest.mark.parametrize(("cuts", "limit", "index"), [((), 5, None), ((3,), 2, None),
