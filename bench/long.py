@@ -167,6 +167,20 @@ def added_ttft_ms(turn: Json) -> float | None:
     return None if mine is None or theirs is None else mine - theirs
 
 
+def added_past_prompt_ms(turn: Json) -> float | None:
+    """The added TTFT less what the two engines' own prompt evaluations differ by: each
+    arm's TTFT minus its engine's ``prompt_ms``. Two llama-server processes on one machine
+    evaluate prompts a few percent apart, either way from one run to the next, and at
+    150k tokens a few percent is hundreds of milliseconds."""
+    mine, theirs = turn["prefixpin"], turn["direct"]
+    figures = (mine.get("ttft_ms"), mine.get("prompt_ms"), theirs.get("ttft_ms"),
+               theirs.get("prompt_ms"))
+    if any(figure is None for figure in figures):
+        return None
+    my_ttft, my_prompt, their_ttft, their_prompt = figures
+    return float((my_ttft - my_prompt) - (their_ttft - their_prompt))
+
+
 def summarize(turns: list[Json]) -> Json:
     """The medians a group of turns is reported by."""
     return {
@@ -176,11 +190,18 @@ def summarize(turns: list[Json]) -> Json:
                                          for t in turns]),
         "cpu_whole_turn_ms": median([t["prefixpin"].get("cpu_whole_turn_ms") for t in turns]),
         "added_ttft_ms": median([added_ttft_ms(t) for t in turns]),
+        "added_past_prompt_ms": median([added_past_prompt_ms(t) for t in turns]),
         "direct_ttft_ms": median([t["direct"].get("ttft_ms") for t in turns]),
         "prefixpin_ttft_ms": median([t["prefixpin"].get("ttft_ms") for t in turns]),
         "direct_prefilled": median([t["direct"].get("prefilled_tokens") for t in turns]),
         "prefixpin_prefilled": median([t["prefixpin"].get("prefilled_tokens") for t in turns]),
     }
+
+
+def with_bands(result: Json) -> Json:
+    """A recorded run with its bands computed again from its turns (a run recorded before
+    a figure was added to them gets it)."""
+    return {**result, "bands": bands(result.get("turns") or [])}
 
 
 def bands(turns: list[Json]) -> list[Json]:
@@ -726,12 +747,17 @@ class Proxy:
 
 
 @contextlib.contextmanager
-def engines(model: Path, tmp: Path) -> Iterator[tuple[LlamaServerProcess, LlamaServerProcess]]:
+def engines(model: Path, tmp: Path, b_first: bool = False
+            ) -> Iterator[tuple[LlamaServerProcess, LlamaServerProcess]]:
+    """Engines A and B, A started first unless ``b_first`` (``--b-first``: the two
+    processes of one machine differ by a few percent in prompt speed, and the order they
+    start in is the one thing that tells them apart)."""
+    names = ("b", "a") if b_first else ("a", "b")
     with contextlib.ExitStack() as stack:
-        pair = tuple(stack.enter_context(run_llama_server(
+        started = {name: stack.enter_context(run_llama_server(
             model, slots=1, ctx_per_slot=CTX_PER_SLOT, slot_save_path=tmp / f"slots-{name}",
-            extra=ENGINE_EXTRA)) for name in ("a", "b"))
-        yield pair[0], pair[1]
+            extra=ENGINE_EXTRA)) for name in names}
+        yield started["a"], started["b"]
 
 
 def make_dirs(tmp: Path) -> None:
@@ -838,7 +864,8 @@ def runs_of(result: Json, other: Json | None) -> list[Json]:
 
 BAND_FIELDS = (("cpu_to_first_event_ms", "CPU to first event ms"),
                ("cpu_whole_turn_ms", "CPU per turn ms"),
-               ("added_ttft_ms", "added TTFT ms"))
+               ("added_ttft_ms", "added TTFT ms"),
+               ("added_past_prompt_ms", "added TTFT past the engines' prompt time ms"))
 
 
 def band_table(runs: list[Json]) -> str:
@@ -857,7 +884,7 @@ def band_table(runs: list[Json]) -> str:
             continue
         cells = [band, "/".join(fmt(row["turns"]) if row else "-" for row in rows),
                  fmt(first["prompt_tokens_median"], 0)]
-        cells += [fmt(row[key]) if row else "-" for key, _ in BAND_FIELDS for row in rows]
+        cells += [fmt(row.get(key)) if row else "-" for key, _ in BAND_FIELDS for row in rows]
         lines.append("| " + " | ".join([*cells, fmt(first["direct_ttft_ms"])]) + " |")
     return "\n".join(lines)
 
@@ -894,7 +921,8 @@ def render(result: Json, other: Json | None) -> str:
         "load average " + ", ".join(f"{load:.2f}" for load in result["machine"]["load_average"])
         + " at the end",
         f"- engines: two llama-servers, `llama-server {' '.join(setup['engine_args'][4:])}` "
-        f"(at nice 10, the rig's), model {setup['model']}",
+        f"(at nice 10, the rig's), model {setup['model']}; engine "
+        f"{setup.get('started_first', 'A')} started first",
         f"- proxy: `{' '.join(setup['proxy_argv'])}` from {proxy['root']} (commit "
         f"{proxy['commit'][:9] or 'none: not a git checkout'}, uncommitted product changes: "
         f"{len(proxy['local_changes'])})",
@@ -1027,6 +1055,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--label", help="what this run is (e.g. before, after)")
     parser.add_argument("--no-proxy", action="store_true",
                         help="both arms direct, to engines A and B: the rig's own difference")
+    parser.add_argument("--b-first", action="store_true",
+                        help="start engine B (prefixpin's) before engine A (direct's)")
     parser.add_argument("--compare", type=Path, help="another run's result.json to show beside")
     parser.add_argument("--render", type=Path,
                         help="run nothing: write this recorded result.json's report again "
@@ -1066,7 +1096,7 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
     with tempfile.TemporaryDirectory(prefix="prefixpin-long-slots-") as name:
         tmp = Path(name)
         make_dirs(tmp)
-        with engines(model, tmp) as (engine_a, engine_b):
+        with engines(model, tmp, args.b_first) as (engine_a, engine_b):
             done.engine_argv = list(engine_b.args)
             done.chars_per_token = chars_per_token(engine_a.url)
             proxy = Proxy(tree, engine_b.url, tmp / "slots-b", logs / "prefixpin.log",
@@ -1138,9 +1168,9 @@ def default_label(described: Json) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    other = json.loads(args.compare.read_text()) if args.compare else None
+    other = with_bands(json.loads(args.compare.read_text())) if args.compare else None
     if args.render is not None:  # a recorded run, its report written again
-        return report(json.loads(args.render.read_text()), other, args.out)
+        return report(with_bands(json.loads(args.render.read_text())), other, args.out)
     began = time.monotonic()
     tree = tree_of(args.proxy_cwd)
     described = tree.describe()
@@ -1156,6 +1186,7 @@ def main(argv: list[str] | None = None) -> int:
         "runtime_s": round(time.monotonic() - began, 1), "machine": machine(),
         "setup": {"model": str(model), "engine_args": done.engine_argv,
                   "proxy_argv": done.proxy_argv, "proxy_tree": described,
+                  "started_first": "B" if args.b_first else "A",
                   "target_tokens": args.target_tokens, "min_messages": args.min_messages,
                   "tool_chars": done.tool_chars,
                   "tool_chars_source": "--tool-chars" if args.tool_chars else "planned",

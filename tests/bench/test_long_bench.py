@@ -44,6 +44,18 @@ def test_turns_are_banded_by_prompt_tokens_and_summarized_by_medians() -> None:
     assert (low["cpu_to_first_event_ms"], low["cpu_whole_turn_ms"]) == (4.0, 9.0)
     assert low["added_ttft_ms"] == 30.0  # per turn prefixpin - direct, then the median
     assert (high["turns"], high["added_ttft_ms"]) == (1, 100.0)
+    assert high["added_past_prompt_ms"] is None  # no engine prompt time recorded
+
+
+def test_the_added_ttft_past_prompt_time_leaves_out_the_engines_own_difference() -> None:
+    """Engine B evaluates the prompt 8% slower than A: the raw added TTFT is that, the
+    figure past each engine's prompt time is what the proxy adds."""
+    turns = [turn(100_000, 5.0, 8.0, 10_000 * 1.08 + 260.0, 10_000 + 250.0)]
+    turns[0]["direct"]["prompt_ms"] = 10_000.0
+    turns[0]["prefixpin"]["prompt_ms"] = 10_000 * 1.08
+    (row,) = bands(turns)
+    assert row["added_ttft_ms"] == 810.0
+    assert row["added_past_prompt_ms"] == 10.0
 
 
 def test_the_session_text_is_a_pure_function_of_seed_turn_and_size() -> None:
