@@ -134,7 +134,8 @@ class Metrics:
                                      ["outcome"], registry=r)
         self.template_renderings = Counter(
             "prefixpin_template_renderings", "Renderings of a conversation by the engine's "
-            "template for anchors and snapshots: window (the engine rendered the turns from "
+            "template for anchors, snapshots and the rendered-prompt comparison of a rewritten "
+            "history: window (the engine rendered the turns from "
             "the last user message on, spliced onto the session's previous rendering), first "
             "(nothing to splice onto), whole (a window did not fit: logged)",
             ["outcome"], registry=r)

@@ -100,11 +100,6 @@ class Renderings:
         while len(self._rendered) > self.bound:
             self._rendered.popitem(last=False)
 
-    def counted(self, outcome: Outcome, session_id: str | None) -> None:
-        self.metrics.template_renderings.labels(outcome.how).inc()
-        if outcome.why:
-            log_event(self.log, logging.INFO, "rendering rendered whole",
-                      session=session_id, chars=len(outcome.rendered.text), reason=outcome.why)
 
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
@@ -203,7 +198,7 @@ class Conversation:
     async def render(self, body: Mapping[str, Any]) -> str:
         outcome = await render_body(self.renderings.adapter.apply_template, body,
                                     self.rendered)
-        self.renderings.counted(outcome, self.session_id)
+        counted(outcome, self.renderings.metrics, self.renderings.log, self.session_id)
         self.rendered = outcome.rendered
         return outcome.rendered.text
 
@@ -219,6 +214,16 @@ class Conversation:
             self.renderings.keep(self.session_id, self.done[-1])
         if self.rendered is not None:
             self.renderings.keep_rendered(self.session_id, self.rendered)
+
+
+def counted(outcome: Outcome, metrics: Metrics, logger: logging.Logger,
+            session_id: str | None) -> None:
+    """A template rendering in ``prefixpin_template_renderings_total``; one rendered whole
+    where a window did not fit is logged with why."""
+    metrics.template_renderings.labels(outcome.how).inc()
+    if outcome.why:
+        log_event(logger, logging.INFO, "rendering rendered whole", session=session_id,
+                  chars=len(outcome.rendered.text), reason=outcome.why)
 
 
 def _longest_cut(text: str, earlier: Sequence[Rendering],

@@ -63,6 +63,9 @@ async def render_body(render: Render, body: Mapping[str, Any],
     rest = {key: value for key, value in body.items() if key != "messages"}
     if last is None:
         return Outcome(await _whole(render, body, messages, rest), "first")
+    if rest == last.rest and _shared(last.messages, messages) == len(messages) == len(
+            last.messages):
+        return Outcome(last, "window")  # the very conversation: nothing to render
     why = _unfit(last, messages, rest)
     start = None if why else _window_start(last.messages, messages)
     if start is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,6 +39,8 @@ from prefixpin.proxy.ops.metrics import Metrics
 from prefixpin.proxy.parking import ParkManager
 from prefixpin.proxy.parking.anchor import Anchorer
 from prefixpin.proxy.parking.openings import Openings
+from prefixpin.proxy.parking.renderings import counted
+from prefixpin.proxy.parking.windows import Render, Rendered, render_body
 from prefixpin.proxy.pipeline.records import Backend, Incoming, Outcome, Plan
 from prefixpin.proxy.pipeline.validation import ClientRequest
 from prefixpin.proxy.session.history import Committed, Shape, Verdict, decide, digest, shape_digest
@@ -55,6 +58,7 @@ from prefixpin.proxy.session.sessions import (
 
 Tier = Literal["explicit", "implicit", "none"]
 DecisionOutcome = Literal["resumed", "rewound", "new"]
+RENDERED_SESSIONS = 256  # sessions whose last rendered prompt is kept, least recent out
 
 
 
@@ -95,6 +99,8 @@ class AffinityPlanner:
         self.parking = parking
         self.anchorer = anchorer  # anchors idle slots after a turn when parking is off
         self.openings = openings  # a new session's slot starts from its namespace's opening
+        # Each session's last rendered prompt, for the next comparison (``_rendered_extends``)
+        self._renderings: OrderedDict[str, Rendered] = OrderedDict()
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
@@ -362,23 +368,34 @@ class AffinityPlanner:
         verdict = decide(committed, repaired.body) if repaired.changed else plain
         if verdict.resumable or repaired.cut_moved:
             return Match(verdict, repaired.body, tuple(repaired.applied), repaired.cut_moved)
-        if await self._rendered_extends(committed, body, backend):
+        if await self._rendered_extends(session.id, committed, body, backend):
             return Match(Verdict(True, committed_messages=len(committed.messages)), body)
         return Match(plain, body)
 
-    async def _rendered_extends(self, committed: Committed, body: Mapping[str, Any],
-                                backend: Backend) -> bool:
+    async def _rendered_extends(self, session_id: str, committed: Committed,
+                                body: Mapping[str, Any], backend: Backend) -> bool:
         """Bytes means the rendered prompt: a client rewrite the template does not render
-        (reasoning a template drops) leaves the engine's prompt an extension."""
+        (reasoning a template drops) leaves the engine's prompt an extension. The engine
+        renders each prompt from its last user message on where that fits (``windows``):
+        the request's rendering is kept for the next turn's comparison."""
         adapter = backend.adapter
         if not adapter.capabilities.render or committed.body is None:
             return False
         try:
-            before = await adapter.apply_template(committed.body)
-            after = await adapter.apply_template(body)
+            before = await self._rendered(session_id, adapter.apply_template, committed.body)
+            after = await self._rendered(session_id, adapter.apply_template, body)
         except ProxyError:
             return False
         return bool(before) and after.startswith(before) and after != before
+
+    async def _rendered(self, session_id: str, render: Render, body: Mapping[str, Any]) -> str:
+        outcome = await render_body(render, body, self._renderings.get(session_id))
+        counted(outcome, self.metrics, self.log, session_id)
+        self._renderings[session_id] = outcome.rendered
+        self._renderings.move_to_end(session_id)
+        while len(self._renderings) > RENDERED_SESSIONS:
+            self._renderings.popitem(last=False)
+        return outcome.rendered.text
 
     async def _pending_chain(self, client: ClientRequest, namespace: str,
                              digests: Sequence[bytes]) -> PendingChain | None:
