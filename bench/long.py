@@ -204,10 +204,15 @@ def with_bands(result: Json) -> Json:
     return {**result, "bands": bands(result.get("turns") or [])}
 
 
+def through_prefixpin(turn: Json) -> bool:
+    return turn.get("route") != "straight to B"
+
+
 def bands(turns: list[Json]) -> list[Json]:
-    """Per band of prompt tokens (prefixpin's prompt), in band order, the bands with turns."""
+    """Per band of prompt tokens (prefixpin's prompt), in band order, the bands with turns
+    (prefixpin's arm through prefixpin)."""
     grouped: dict[str, list[Json]] = {name: [] for _, name in BANDS}
-    for turn in turns:
+    for turn in filter(through_prefixpin, turns):
         tokens = turn["prefixpin"].get("prompt_tokens")
         if tokens is not None:
             grouped[band_of(tokens)].append(turn)
@@ -650,6 +655,7 @@ class Session:
     engines: tuple[str, ...]
     max_tokens: int
     thinking: bool = False
+    b_direct: httpx.Client | None = None  # engine B itself (``--b-direct-every``)
 
 
 def busy(engine: str) -> bool:
@@ -669,13 +675,20 @@ def wait_idle(engines: tuple[str, ...]) -> float:
     return round((time.monotonic() - started) * 1000, 1)
 
 
-def play(session: Session, turn: int) -> Json:
+def play(session: Session, turn: int, b_direct: bool = False) -> Json:
+    """Both arms' turn, in an order that alternates; with ``b_direct``, prefixpin's arm sent
+    straight to engine B (prefixpin does not see it: its next request adds two turns)."""
     arms = session.arms
     order = arms if turn % 2 == 0 else arms[::-1]
     record: Json = {"turn": turn, "messages": len(arms[0].history), "first": order[0].name}
     for arm in order:
         waited = wait_idle(session.engines)
-        record[arm.name] = send(arm, request_body(arm, session.max_tokens, session.thinking))
+        sender = arm
+        if arm.name == "prefixpin" and b_direct and session.b_direct is not None:
+            sender = dataclasses.replace(arm, client=session.b_direct, pid=None)
+            record["route"] = "straight to B"
+        record[arm.name] = send(sender, request_body(arm, session.max_tokens, session.thinking))
+        arm.content, arm.reasoning = sender.content, sender.reasoning
         record[arm.name]["idle_wait_ms"] = waited
     return record
 
@@ -717,7 +730,10 @@ def grow(session: Session, args: argparse.Namespace, size_tools: Callable[[int],
         if step is None:
             break
         added = extend(session.arms, step, turn, mean_chars)
-        record = play(session, turn) | {"phase": step.phase, "kind": step.kind, **added}
+        b_direct = bool(args.b_direct_every) and step.phase == "growth" and (
+            turn % args.b_direct_every == 0)
+        record = play(session, turn, b_direct) | {"phase": step.phase, "kind": step.kind,
+                                                  **added}
         turns.append(record)
         progress(record)
 
@@ -1020,7 +1036,23 @@ def checks(turns: list[Json], pid_cpu: Json) -> Json:
             median([t["prefixpin"].get("cpu_between_ms") for t in turns]),
             "CPU to the first event, least squares": cpu_fit(turns),
             "waited for the engines to go idle before a request (the proxy's work on its "
-            "engine after a turn), total s": round(sum(waits) / 1000, 1)}
+            "engine after a turn), total s": round(sum(waits) / 1000, 1),
+            "engine B's prompt time over A's, median of turns prefilling 1k+ tokens: "
+            "through prefixpin, straight to B (--b-direct-every)": prompt_time_ratios(turns)}
+
+
+def prompt_time_ratios(turns: list[Json]) -> str:
+    """B's ``prompt_ms`` over A's for the same tokens, by how B's request went: with turns
+    sent straight to B, what prefixpin costs the engine itself, apart from the two
+    processes' own difference."""
+    ratios: dict[bool, list[float | None]] = {True: [], False: []}
+    for turn in turns:
+        mine, theirs = turn["prefixpin"], turn["direct"]
+        if (mine.get("prompt_ms") and theirs.get("prompt_ms")
+                and (theirs.get("prefilled_tokens") or 0) >= 1000
+                and mine.get("prefilled_tokens") == theirs.get("prefilled_tokens")):
+            ratios[through_prefixpin(turn)].append(mine["prompt_ms"] / theirs["prompt_ms"])
+    return ", ".join(f"{median(ratios[way])} ({len(ratios[way])} turns)" for way in (True, False))
 
 
 def final_cpu(pid: int) -> Json:
@@ -1055,6 +1087,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--label", help="what this run is (e.g. before, after)")
     parser.add_argument("--no-proxy", action="store_true",
                         help="both arms direct, to engines A and B: the rig's own difference")
+    parser.add_argument("--b-direct-every", type=int, default=0, metavar="N",
+                        help="send every Nth growth turn of prefixpin's arm straight to engine "
+                             "B: its prompt time through prefixpin and not, one engine")
     parser.add_argument("--b-first", action="store_true",
                         help="start engine B (prefixpin's) before engine A (direct's)")
     parser.add_argument("--compare", type=Path, help="another run's result.json to show beside")
@@ -1111,7 +1146,7 @@ def run(args: argparse.Namespace, tree: Tree, model: Path, logs: Path) -> Run:
                         replica.process.pid, opening())]
 
             session = Session(arms, (engine_a.url, engine_b.url), args.max_tokens,
-                              args.thinking)
+                              args.thinking, client(engine_b.url))
             try:
                 grow(session, args, tool_sizer(args, done), done.turns)
                 done.first_proxy_cpu = final_cpu(replica.process.pid)

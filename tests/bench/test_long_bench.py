@@ -19,6 +19,7 @@ from bench.long import (
     band_of,
     bands,
     planned_tool_chars,
+    prompt_time_ratios,
     schedstat_ns,
     system_prompt,
     tool_step,
@@ -56,6 +57,19 @@ def test_the_added_ttft_past_prompt_time_leaves_out_the_engines_own_difference()
     (row,) = bands(turns)
     assert row["added_ttft_ms"] == 810.0
     assert row["added_past_prompt_ms"] == 10.0
+
+
+def test_turns_sent_straight_to_b_are_kept_out_of_the_bands_and_compared_by_route() -> None:
+    """``--b-direct-every``: engine B's prompt time over A's, through prefixpin and not."""
+    turns = [turn(40_000, 5.0, 8.0, 1_000.0, 1_000.0) for _ in range(4)]
+    for index, (mine, theirs) in enumerate([(1_080, 1_000), (2_150, 2_000), (930, 1_000),
+                                            (1_860, 2_000)]):
+        turns[index]["prefixpin"] |= {"prompt_ms": float(mine), "prefilled_tokens": 2_000}
+        turns[index]["direct"] |= {"prompt_ms": float(theirs), "prefilled_tokens": 2_000}
+    turns[2]["route"] = turns[3]["route"] = "straight to B"
+    (row,) = bands(turns)
+    assert row["turns"] == 2
+    assert prompt_time_ratios(turns) == "1.08 (2 turns), 0.93 (2 turns)"
 
 
 def test_the_session_text_is_a_pure_function_of_seed_turn_and_size() -> None:
