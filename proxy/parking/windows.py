@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixpin.core.errors import ProxyError
-from prefixpin.proxy.session.tokens import common_text_suffix
+from prefixpin.proxy.session.tokens import common_text_prefix, common_text_suffix
 
 Render = Callable[[Mapping[str, Any]], Awaitable[str]]
 Messages = Sequence[Mapping[str, Any]]
@@ -139,7 +139,27 @@ async def _spliced(render: Render, last: Rendered, messages: tuple[Mapping[str, 
     lead = len(before) - tail  # the window's own start: the header, nothing of its turns
     if tail == 0 or lead > len(last.text) - tail or not last.text.startswith(before[:lead]):
         return None
-    if not after.startswith(before[:lead]):
+    if not _same_header(before, after, messages[start]):
         return None
     text = last.text[:len(last.text) - tail] + after[lead:]
     return Rendered(messages, rest, text, start, after)
+
+
+def _same_header(before: str, after: str, first: Mapping[str, Any]) -> bool:
+    """The two windows start alike through the text of their first message (the same
+    message in both): the header before it did not change with the turns after it."""
+    text = _text_of(first)
+    shared = common_text_prefix(before, after)
+    return bool(text) and before.find(text, 0, shared) >= 0
+
+
+def _text_of(message: Mapping[str, Any]) -> str:
+    """A message's text as a template writes it: its string content, or its first text
+    part's."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content.strip()  # (templates that trim it: Qwen3.5's)
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            return str(part["text"]).strip()
+    return ""

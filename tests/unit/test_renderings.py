@@ -189,6 +189,19 @@ async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_sa
     assert reasons == {"the window's text does not end the whole rendering"}
 
 
+async def test_a_header_that_changes_with_later_turns_is_caught_without_system_messages(
+        ) -> None:
+    """No system message, and a header made from the messages: the new window's header is
+    not the old one's, so the conversation is rendered whole: the same tokens."""
+    engine = FakeEngine(header="<|im_start|>meta\n{} bytes<|im_end|>\n")
+    renderings, metrics = renderings_on(engine)
+    for body, reply in conversation(6):
+        body = {"messages": body["messages"][1:]}
+        await one_turn(engine, renderings, body, reply)
+    assert rendered(metrics, "window") <= 5  # only windows that are the whole conversation
+    assert rendered(metrics, "whole") > 0
+
+
 async def test_a_template_that_refuses_a_window_is_rendered_whole_and_said(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(template="first-turn")
