@@ -35,6 +35,18 @@ Render = Callable[[Mapping[str, Any]], Awaitable[str]]
 Messages = Sequence[Mapping[str, Any]]
 
 _HEAD_ROLES = frozenset({"system", "developer"})
+# Request fields no chat template reads (sampling, streaming, the engine's own controls):
+# renderings whose bodies differ only in these are spliced; any other difference (tools,
+# ``chat_template_kwargs``, ...) has the conversation rendered whole.
+_UNRENDERED = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n_predict",
+    "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "stop", "logit_bias",
+    "logprobs", "top_logprobs", "n_probs", "presence_penalty", "frequency_penalty",
+    "repeat_penalty", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "mirostat",
+    "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "samplers", "n", "user",
+    "metadata", "cache_prompt", "id_slot", "return_progress", "timings_per_token",
+    "t_max_predict_ms", "n_keep", "n_discard", "n_cmpl"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +77,7 @@ async def render_body(render: Render, body: Mapping[str, Any],
         return Outcome(await _whole(render, body, messages, rest), "first")
     if rest == last.rest and _shared(last.messages, messages) == len(messages) == len(
             last.messages):
-        return Outcome(last, "window")  # the very conversation: nothing to render
+        return Outcome(last, "window")  # the very body: nothing to render
     why = _unfit(last, messages, rest)
     start = None if why else _window_start(last.messages, messages)
     if start is None:
@@ -87,8 +99,10 @@ async def _whole(render: Render, body: Mapping[str, Any], messages: tuple[Mappin
 
 
 def _unfit(last: Rendered, messages: Messages, rest: Mapping[str, Any]) -> str:
-    if rest != last.rest:
-        return "the body's tools or template flags changed"
+    changed = sorted(key for key in {*rest, *last.rest} - _UNRENDERED
+                     if rest.get(key) != last.rest.get(key))
+    if changed:
+        return f"the body's {', '.join(changed)} changed"
     head = _head(messages)
     if head != _head(last.messages) or _shared(last.messages, messages, head) < head:
         return "the system messages changed"

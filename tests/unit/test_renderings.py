@@ -202,6 +202,23 @@ async def test_a_header_that_changes_with_later_turns_is_caught_without_system_m
     assert rendered(metrics, "whole") > 0
 
 
+async def test_sampling_fields_do_not_stop_a_window_and_tools_do(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The restore path renders the request's body, anchoring the committed one: they
+    differ in fields no template reads. Tools that change are read: rendered whole."""
+    engine = FakeEngine()
+    renderings, metrics = renderings_on(engine)
+    caplog.set_level(logging.INFO)
+    for turn, (body, reply) in enumerate(conversation(6)):
+        body |= {"max_tokens": 16 + turn, "temperature": 0.1 * turn, "stream": bool(turn % 2)}
+        await one_turn(engine, renderings, body, reply)
+    assert rendered(metrics, "whole") == 0
+    await one_turn(engine, renderings, {**body, "tools": [{"type": "function"}]}, reply)
+    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
+               if r.getMessage() == "rendering rendered whole"}
+    assert reasons == {"the body's tools changed"}
+
+
 async def test_a_template_that_refuses_a_window_is_rendered_whole_and_said(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine(template="first-turn")
