@@ -2,7 +2,9 @@
 turns from its last user message on.
 
 Anchoring and the prompt-end snapshot (``anchor``) need several renderings of the whole
-conversation after each turn. Only the engine's template knows how a conversation renders
+conversation after each turn, the restore check one before a restore, and the planner's
+comparison of a rewritten history two (``session.affinity``). Only the engine's template
+knows how a conversation renders
 (Qwen3.5's rewrites earlier assistant turns), so the engine renders it (``/apply-template``),
 but not the whole of it every time. A rendering here is spliced from the session's previous
 one and a *window*: the template applied to the leading system messages and the messages
@@ -16,10 +18,12 @@ too (or kept from the previous splice), and it must end with the same text as th
 rendering, after a start that is the previous rendering's own start (the header: the
 system messages, the tools). The text the two share at their ends is what the window's
 messages render to in the whole conversation; the new window's text from the same point
-takes its place. A template whose header or turns depend on what the window leaves out (a
-count of messages, a system prompt folded into the first user turn and nowhere else) fails
-that check, or fails to render a window at all (Gemma's alternation check), and the
-conversation is rendered whole, counted in ``prefixpin_template_renderings_total``.
+takes its place, once it is seen to start as the previous window did through the text of
+its first message (the same message in both). A template whose header or turns depend on
+what a window leaves out (a count of messages) fails those checks, or refuses to render a
+window at all (Gemma's alternation check), and the conversation is rendered whole; so is
+a body whose tools or template flags changed. Counted in
+``prefixpin_template_renderings_total``, the reason logged.
 """
 
 from __future__ import annotations
