@@ -91,35 +91,34 @@ _BLOCK = 4096
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens ``a`` and ``b`` share from the start (lists and arrays alike)."""
-    return _shared_run(a, b, lambda start, end: list(a[start:end]) == list(b[start:end]))
+    return _shared_run(min(len(a), len(b)),
+                       lambda start, end: list(a[start:end]) == list(b[start:end]),
+                       lambda index: a[index] == b[index])
 
 
 def common_text_prefix(a: str, b: str) -> int:
     """How many characters ``a`` and ``b`` share from the start."""
-    return _shared_run(a, b, lambda start, end: a[start:end] == b[start:end])
+    return _shared_run(min(len(a), len(b)), lambda start, end: a[start:end] == b[start:end],
+                       lambda index: a[index] == b[index])
 
 
 def common_text_suffix(a: str, b: str) -> int:
     """How many characters ``a`` and ``b`` share at the end."""
-    n, end_a, end_b = min(len(a), len(b)), len(a), len(b)
-    shared = 0
-    while shared < n:
-        step = min(_BLOCK, n - shared)
-        if a[end_a - shared - step:end_a - shared] != b[end_b - shared - step:end_b - shared]:
-            break
-        shared += step
-    while shared < n and a[end_a - shared - 1] == b[end_b - shared - 1]:
-        shared += 1
-    return shared
+    end_a, end_b = len(a), len(b)
+    return _shared_run(
+        min(end_a, end_b),
+        lambda start, end: a[end_a - end:end_a - start] == b[end_b - end:end_b - start],
+        lambda index: a[end_a - 1 - index] == b[end_b - 1 - index])
 
 
-def _shared_run(a: Sequence[object], b: Sequence[object],
-                same_block: Callable[[int, int], bool]) -> int:
-    n = min(len(a), len(b))
+def _shared_run(n: int, same_block: Callable[[int, int], bool],
+                same_item: Callable[[int], bool]) -> int:
+    """How many of the first ``n`` items (counted from either end) two sequences share:
+    ``same_block(start, end)`` compares items ``start`` to ``end``, ``same_item`` one."""
     start = 0
-    while start < n and same_block(start, start + _BLOCK):
+    while start < n and same_block(start, min(start + _BLOCK, n)):
         start += _BLOCK
     for index in range(start, min(start + _BLOCK, n)):
-        if a[index] != b[index]:
+        if not same_item(index):
             return index
     return n
