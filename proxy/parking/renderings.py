@@ -32,7 +32,7 @@ from typing import Any
 from prefixpin.adapters.base import Adapter
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
-from prefixpin.proxy.parking.windows import Outcome, Rendered, render_body
+from prefixpin.proxy.parking.windows import LastRenderings, Outcome, render_body
 from prefixpin.proxy.session.tokens import common_text_prefix
 
 # The special tokens that open a turn in the chat templates of the model families
@@ -74,7 +74,7 @@ class Renderings:
         self.bound = bound
         self._markers: dict[str, Marker | None] = {}  # probed once per engine process
         self._last: OrderedDict[str, Rendering] = OrderedDict()
-        self._rendered: OrderedDict[str, Rendered] = OrderedDict()
+        self.rendered = LastRenderings(bound)  # each session's last template rendering
         self._unmarked_said = False  # an engine without markers is said once, not each time
 
     def of(self, session_id: str | None) -> Conversation:
@@ -91,26 +91,16 @@ class Renderings:
         while len(self._last) > self.bound:
             self._last.popitem(last=False)
 
-    def rendered(self, session_id: str) -> Rendered | None:
-        return self._rendered.get(session_id)
-
-    def keep_rendered(self, session_id: str, rendered: Rendered) -> None:
-        self._rendered[session_id] = rendered
-        self._rendered.move_to_end(session_id)
-        while len(self._rendered) > self.bound:
-            self._rendered.popitem(last=False)
-
-
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
-        self._rendered.pop(session_id, None)
+        self.rendered.forget(session_id)
 
     def engine_restarted(self) -> None:
         """Another engine process (perhaps another model, another vocabulary): nothing
         tokenized before is reused."""
         self._markers.clear()
         self._last.clear()
-        self._rendered.clear()
+        self.rendered.clear()
         self._unmarked_said = False
 
     async def tokenize(self, text: str, earlier: Sequence[Rendering],
@@ -193,7 +183,8 @@ class Conversation:
         self.session_id = session_id
         last = renderings.last(session_id) if session_id is not None else None
         self.done: list[Rendering] = [last] if last is not None else []
-        self.rendered = renderings.rendered(session_id) if session_id is not None else None
+        self.rendered = (renderings.rendered.get(session_id) if session_id is not None
+                         else None)
 
     async def render(self, body: Mapping[str, Any]) -> str:
         outcome = await render_body(self.renderings.adapter.apply_template, body,
@@ -213,7 +204,7 @@ class Conversation:
         if self.done:
             self.renderings.keep(self.session_id, self.done[-1])
         if self.rendered is not None:
-            self.renderings.keep_rendered(self.session_id, self.rendered)
+            self.renderings.rendered.keep(self.session_id, self.rendered)
 
 
 def counted(outcome: Outcome, metrics: Metrics, logger: logging.Logger,

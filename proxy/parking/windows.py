@@ -28,6 +28,7 @@ a body whose tools or template flags changed. Counted in
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,30 @@ class Rendered:
     window: str = ""
 
 
+class LastRenderings:
+    """Each session's last rendering, for the next one's window: ``bound`` sessions at most,
+    the least recently kept out first."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._kept: OrderedDict[str, Rendered] = OrderedDict()
+
+    def get(self, session_id: str) -> Rendered | None:
+        return self._kept.get(session_id)
+
+    def keep(self, session_id: str, rendered: Rendered) -> None:
+        self._kept[session_id] = rendered
+        self._kept.move_to_end(session_id)
+        while len(self._kept) > self.bound:
+            self._kept.popitem(last=False)
+
+    def forget(self, session_id: str) -> None:
+        self._kept.pop(session_id, None)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     rendered: Rendered
@@ -79,11 +104,11 @@ async def render_body(render: Render, body: Mapping[str, Any],
     rest = {key: value for key, value in body.items() if key != "messages"}
     if last is None:
         return Outcome(await _whole(render, body, messages, rest), "first")
-    if rest == last.rest and _shared(last.messages, messages) == len(messages) == len(
-            last.messages):
+    shared = _shared(last.messages, messages)
+    if rest == last.rest and shared == len(messages) == len(last.messages):
         return Outcome(last, "window")  # the very body: nothing to render
-    why = _unfit(last, messages, rest)
-    start = None if why else _window_start(last.messages, messages)
+    why = _unfit(last, messages, rest, shared)
+    start = None if why else _window_start(last.messages, messages, shared)
     if start is None:
         return Outcome(await _whole(render, body, messages, rest), "whole",
                        why or "no user message to start a window at")
@@ -102,13 +127,14 @@ async def _whole(render: Render, body: Mapping[str, Any], messages: tuple[Mappin
     return Rendered(messages, rest, await render(body))
 
 
-def _unfit(last: Rendered, messages: Messages, rest: Mapping[str, Any]) -> str:
+def _unfit(last: Rendered, messages: Messages, rest: Mapping[str, Any], shared: int) -> str:
+    """Why no window fits ``messages`` after ``last`` (which shares ``shared`` of them)."""
     changed = sorted(key for key in {*rest, *last.rest} - _UNRENDERED
                      if rest.get(key) != last.rest.get(key))
     if changed:
         return f"the body's {', '.join(changed)} changed"
     head = _head(messages)
-    if head != _head(last.messages) or _shared(last.messages, messages, head) < head:
+    if head != _head(last.messages) or shared < head:
         return "the system messages changed"
     return ""
 
@@ -123,20 +149,19 @@ def _head(messages: Messages) -> int:
     return count
 
 
-def _shared(a: Messages, b: Messages, limit: int | None = None) -> int:
+def _shared(a: Messages, b: Messages) -> int:
     """How many leading messages ``a`` and ``b`` share (the same objects, or equal)."""
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    n = min(len(a), len(b))
     for index in range(n):
         if a[index] is not b[index] and a[index] != b[index]:
             return index
     return n
 
 
-def _window_start(before: Messages, messages: Messages) -> int | None:
+def _window_start(before: Messages, messages: Messages, shared: int) -> int | None:
     """The last user message after the system messages that ``before`` had where
-    ``messages`` has it, with the same messages before it: the last user query of
-    ``before`` is at or after it, so every turn before it rendered as it will now."""
-    shared = _shared(before, messages)
+    ``messages`` has it (of the ``shared`` leading ones): the last user query of ``before``
+    is at or after it, so every turn before it rendered as it will now."""
     head = _head(messages)
     for index in range(shared - 1, head - 1, -1):  # the message itself shared too
         if before[index].get("role") == "user":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,7 +39,7 @@ from prefixpin.proxy.parking import ParkManager
 from prefixpin.proxy.parking.anchor import Anchorer
 from prefixpin.proxy.parking.openings import Openings
 from prefixpin.proxy.parking.renderings import counted
-from prefixpin.proxy.parking.windows import Render, Rendered, render_body
+from prefixpin.proxy.parking.windows import LastRenderings, Render, render_body
 from prefixpin.proxy.pipeline.records import Backend, Incoming, Outcome, Plan
 from prefixpin.proxy.pipeline.validation import ClientRequest
 from prefixpin.proxy.session.history import Committed, Shape, Verdict, decide, digest, shape_digest
@@ -100,7 +99,7 @@ class AffinityPlanner:
         self.anchorer = anchorer  # anchors idle slots after a turn when parking is off
         self.openings = openings  # a new session's slot starts from its namespace's opening
         # Each session's last rendered prompt, for the next comparison (``_rendered_extends``)
-        self._renderings: OrderedDict[str, Rendered] = OrderedDict()
+        self._renderings = LastRenderings(RENDERED_SESSIONS)
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
@@ -391,10 +390,7 @@ class AffinityPlanner:
     async def _rendered(self, session_id: str, render: Render, body: Mapping[str, Any]) -> str:
         outcome = await render_body(render, body, self._renderings.get(session_id))
         counted(outcome, self.metrics, self.log, session_id)
-        self._renderings[session_id] = outcome.rendered
-        self._renderings.move_to_end(session_id)
-        while len(self._renderings) > RENDERED_SESSIONS:
-            self._renderings.popitem(last=False)
+        self._renderings.keep(session_id, outcome.rendered)
         return outcome.rendered.text
 
     async def _pending_chain(self, client: ClientRequest, namespace: str,

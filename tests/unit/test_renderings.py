@@ -102,6 +102,10 @@ def rendered(metrics: Metrics, outcome: str) -> float:
     return counted(metrics, outcome, "prefixpin_template_renderings_total")
 
 
+def logged_reasons(caplog: pytest.LogCaptureFixture, event: str) -> set[str]:
+    return {r.__dict__["fields"]["reason"] for r in caplog.records if r.getMessage() == event}
+
+
 async def one_turn(engine: FakeEngine, renderings: Renderings, body: Json,
                    reply: Json) -> tuple[Any, Any]:
     """The snapshot's and the anchor's computations, spliced, checked against whole."""
@@ -158,8 +162,8 @@ async def test_spliced_tokens_equal_the_whole_ones_and_stay_the_size_of_a_turn()
 @pytest.mark.parametrize("template", ["chatml", "qwen35", "gemma"])
 async def test_windowed_renderings_equal_the_whole_ones(template: str) -> None:
     """Tool turns between user turns, reasoning a template drops before the last user
-    query, a system prompt folded into the first user turn: the same tokens as the whole
-    way, turn after turn. Gemma's alternation refuses a window of tool turns, said."""
+    query, a system prompt folded into the first user turn (Gemma's, whose alternation
+    check allows no tool turns): the same tokens as the whole way, turn after turn."""
     engine = FakeEngine(template=template)
     renderings, metrics = renderings_on(engine)
     for body, reply in conversation(12, tools=template != "gemma"):
@@ -178,14 +182,12 @@ async def test_a_template_that_rewrites_the_first_turn_is_tokenized_whole_and_sa
     assert counted(metrics, "spliced") == 0
     assert counted(metrics, "first") == 1
     assert counted(metrics, "whole") == 5 * 3 - 1
-    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
-               if r.getMessage() == "rendering tokenized whole"}
+    reasons = logged_reasons(caplog, "rendering tokenized whole")
     assert reasons == {"it shares no turn marker with an earlier rendering"}
     # Its header counts the messages: a window's never matches the whole rendering's.
     # (Turn 0's and the edited reply's windows start at the first user turn: the whole.)
     assert (rendered(metrics, "whole"), rendered(metrics, "window")) == (9, 5)
-    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
-               if r.getMessage() == "rendering rendered whole"}
+    reasons = logged_reasons(caplog, "rendering rendered whole")
     assert reasons == {"the window's text does not end the whole rendering"}
 
 
@@ -214,8 +216,7 @@ async def test_sampling_fields_do_not_stop_a_window_and_tools_do(
         await one_turn(engine, renderings, body, reply)
     assert rendered(metrics, "whole") == 0
     await one_turn(engine, renderings, {**body, "tools": [{"type": "function"}]}, reply)
-    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
-               if r.getMessage() == "rendering rendered whole"}
+    reasons = logged_reasons(caplog, "rendering rendered whole")
     assert reasons == {"the body's tools changed"}
 
 
@@ -227,8 +228,7 @@ async def test_a_template_that_refuses_a_window_is_rendered_whole_and_said(
     for body, reply in conversation(4):
         await one_turn(engine, renderings, body, reply)
     assert rendered(metrics, "whole") > 0
-    reasons = {r.__dict__["fields"]["reason"] for r in caplog.records
-               if r.getMessage() == "rendering rendered whole"}
+    reasons = logged_reasons(caplog, "rendering rendered whole")
     assert reasons == {"the template refused a window: the conversation must open with the "
                        "session's first turn"}
 
