@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import re
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 from prefixpin.adapters.base import Adapter
 from prefixpin.proxy.ops.logs import log_event
 from prefixpin.proxy.ops.metrics import Metrics
-from prefixpin.proxy.parking.windows import LastRenderings, Outcome, render_body
+from prefixpin.proxy.parking.windows import LastRenderings, Outcome, Rendered, render_body
 from prefixpin.proxy.session.tokens import common_text_prefix
 
 # The special tokens that open a turn in the chat templates of the model families
@@ -71,10 +70,9 @@ class Renderings:
         self.adapter = adapter
         self.metrics = metrics
         self.log = logger
-        self.bound = bound
         self._markers: dict[str, Marker | None] = {}  # probed once per engine process
-        self._last: OrderedDict[str, Rendering] = OrderedDict()
-        self.rendered = LastRenderings(bound)  # each session's last template rendering
+        self._last: LastRenderings[Rendering] = LastRenderings(bound)  # tokens
+        self.rendered: LastRenderings[Rendered] = LastRenderings(bound)  # template texts
         self._unmarked_said = False  # an engine without markers is said once, not each time
 
     def of(self, session_id: str | None) -> Conversation:
@@ -86,13 +84,10 @@ class Renderings:
         return self._last.get(session_id)
 
     def keep(self, session_id: str, rendering: Rendering) -> None:
-        self._last[session_id] = rendering
-        self._last.move_to_end(session_id)
-        while len(self._last) > self.bound:
-            self._last.popitem(last=False)
+        self._last.keep(session_id, rendering)
 
     def forget(self, session_id: str) -> None:
-        self._last.pop(session_id, None)
+        self._last.forget(session_id)
         self.rendered.forget(session_id)
 
     def engine_restarted(self) -> None:

@@ -31,13 +31,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prefixpin.core.errors import ProxyError
 from prefixpin.proxy.session.tokens import common_text_prefix, common_text_suffix
 
 Render = Callable[[Mapping[str, Any]], Awaitable[str]]
 Messages = Sequence[Mapping[str, Any]]
+
+R = TypeVar("R")
 
 _HEAD_ROLES = frozenset({"system", "developer"})
 # Request fields no chat template reads (sampling, streaming, the engine's own controls):
@@ -66,18 +68,19 @@ class Rendered:
     window: str = ""
 
 
-class LastRenderings:
-    """Each session's last rendering, for the next one's window: ``bound`` sessions at most,
+class LastRenderings(Generic[R]):
+    """Each session's last rendering (a ``Rendered`` text, or its tokens:
+    ``renderings.Rendering``), for the next one to build on: ``bound`` sessions at most,
     the least recently kept out first."""
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
-        self._kept: OrderedDict[str, Rendered] = OrderedDict()
+        self._kept: OrderedDict[str, R] = OrderedDict()
 
-    def get(self, session_id: str) -> Rendered | None:
+    def get(self, session_id: str) -> R | None:
         return self._kept.get(session_id)
 
-    def keep(self, session_id: str, rendered: Rendered) -> None:
+    def keep(self, session_id: str, rendered: R) -> None:
         self._kept[session_id] = rendered
         self._kept.move_to_end(session_id)
         while len(self._kept) > self.bound:

@@ -39,7 +39,7 @@ from prefixpin.proxy.parking import ParkManager
 from prefixpin.proxy.parking.anchor import Anchorer
 from prefixpin.proxy.parking.openings import Openings
 from prefixpin.proxy.parking.renderings import counted
-from prefixpin.proxy.parking.windows import LastRenderings, Render, render_body
+from prefixpin.proxy.parking.windows import LastRenderings, Render, Rendered, render_body
 from prefixpin.proxy.pipeline.records import Backend, Incoming, Outcome, Plan
 from prefixpin.proxy.pipeline.validation import ClientRequest
 from prefixpin.proxy.session.history import Committed, Shape, Verdict, decide, digest, shape_digest
@@ -99,7 +99,7 @@ class AffinityPlanner:
         self.anchorer = anchorer  # anchors idle slots after a turn when parking is off
         self.openings = openings  # a new session's slot starts from its namespace's opening
         # Each session's last rendered prompt, for the next comparison (``_rendered_extends``)
-        self._renderings = LastRenderings(RENDERED_SESSIONS)
+        self._renderings: LastRenderings[Rendered] = LastRenderings(RENDERED_SESSIONS)
 
     async def plan(self, incoming: Incoming, backend: Backend) -> Plan:
         client, namespace = incoming.client, incoming.namespace
