@@ -117,8 +117,10 @@ class H1Transport(httpx.AsyncBaseTransport):
         self._max_idle = limits.max_keepalive_connections
         self._expiry = limits.keepalive_expiry
         self._fallback = fallback or httpx.AsyncHTTPTransport(limits=limits)
+        # Per engine address, oldest first (a request takes the newest).
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._n_idle = 0
+        self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
 
     def _serves(self, request: httpx.Request) -> bool:
@@ -185,9 +187,33 @@ class H1Transport(httpx.AsyncBaseTransport):
         connection.idle_since = time.monotonic()
         self._idle.setdefault(key, []).append(connection)
         self._n_idle += 1
+        if self._sweep is None and self._expiry is not None:
+            self._sweep = asyncio.get_running_loop().call_later(self._expiry,
+                                                                 self._close_expired)
+
+    def _close_expired(self) -> None:
+        """Close the connections idle for ``keepalive_expiry``, not only skip them when one
+        is next taken: the engine's side of an idle connection is not free (llama-server
+        checks each one every 10 ms until its own keep-alive timeout)."""
+        self._sweep = None
+        assert self._expiry is not None
+        now = time.monotonic()
+        next_due: float | None = None
+        for idle in self._idle.values():
+            while idle and now - idle[0].idle_since >= self._expiry:
+                idle.pop(0).close()
+                self._n_idle -= 1
+            if idle:
+                due = idle[0].idle_since + self._expiry - now
+                next_due = due if next_due is None else min(next_due, due)
+        if next_due is not None:
+            self._sweep = asyncio.get_running_loop().call_later(next_due, self._close_expired)
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()

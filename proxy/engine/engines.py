@@ -101,6 +101,10 @@ def kind_of(adapter: Adapter) -> EngineKind:
 
 # ------------------------------------------------------------------ adapters
 
+# How long a connection to an engine is kept idle for the next request (see http_client).
+ENGINE_KEEPALIVE_S = 1.0
+
+
 def http_client(settings: Settings, url: str,
                 transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
     """The client of one engine. With an engine key (``--engine-api-key``, or the
@@ -108,11 +112,14 @@ def http_client(settings: Settings, url: str,
     (``adapters.http.EngineKey``); a client's requests carry the client's credentials."""
     key = settings.engine_key_for(url)
     auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
-    # Every connection that ends a request well is kept for the next (for httpx's 5 s
-    # keep-alive): there are never more than requests ran at once, one per engine slot and
-    # the probes. A cap below the slots (it was 64) closed a quarter of the connections
-    # at 256 streams, and each new one cost a connect and a teardown on both sides.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Every connection that ends a request well is kept for the next: there are never more
+    # than requests ran at once, one per engine slot and the probes. A cap below the slots
+    # (it was 64) closed a quarter of the connections at 256 streams, and each new one cost
+    # a connect and a teardown on both sides. Kept for a second, not httpx's 5 s: until its
+    # own 5 s timeout, llama-server wakes a thread every 10 ms per idle connection, and on a
+    # CPU engine those wake-ups slow the next prefill among its compute threads.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=ENGINE_KEEPALIVE_S)
     if transport is None:
         # httptools' parser under httpx for plain-HTTP engines (adapters.h1): an engine's
         # streamed answer is read at a fraction of h11's cost per event.

@@ -122,6 +122,41 @@ def test_a_chunked_event_stream_arrives_as_sent_and_the_connection_is_reused() -
     assert len(peers) == 1  # the second request went over the first one's connection
 
 
+def test_an_idle_connection_is_closed_at_its_expiry_and_one_in_use_is_not() -> None:
+    """The engine sees the close: llama-server checks every idle connection every 10 ms
+    until its own keep-alive timeout, so one left open costs it wake-ups."""
+    closed_after: list[float] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                closed_after.append(loop.time() - answered)
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            answered = loop.time()
+
+    async def run() -> tuple[list[int], int]:
+        limits = httpx.Limits(keepalive_expiry=0.3)
+        async with server(handler) as (url, peers), httpx.AsyncClient(
+                base_url=url, transport=H1Transport(limits)) as http:
+            for _ in range(3):  # within the expiry: one connection, kept
+                assert (await http.get("/health")).text == "ok"
+                await asyncio.sleep(0.1)
+            still_open = len(closed_after)
+            await asyncio.sleep(1.5)  # idle past it: closed by the proxy's side
+        return peers, still_open
+
+    peers, still_open = asyncio.run(run())
+    assert len(peers) == 1
+    assert still_open == 0
+    assert len(closed_after) == 1
+    assert 0.25 < closed_after[0] < 1.4  # at 0.3 s, a busy loop allowing
+
+
 def test_content_length_and_until_close_bodies() -> None:
     answers = [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
                b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end"]
