@@ -116,8 +116,8 @@ def http_client(settings: Settings, url: str,
     # than requests ran at once, one per engine slot and the probes. A cap below the slots
     # (it was 64) closed a quarter of the connections at 256 streams, and each new one cost
     # a connect and a teardown on both sides. Kept for a second, not httpx's 5 s: until its
-    # own 5 s timeout, llama-server wakes a thread every 10 ms per idle connection, and on a
-    # CPU engine those wake-ups slow the next prefill among its compute threads.
+    # own 5 s timeout, llama-server wakes a thread every 10 ms per idle connection, so a
+    # probe every 5 s kept an idle engine waking 100 times a second for good.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
                           keepalive_expiry=ENGINE_KEEPALIVE_S)
     if transport is None:

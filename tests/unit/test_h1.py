@@ -154,7 +154,7 @@ def test_an_idle_connection_is_closed_at_its_expiry_and_one_in_use_is_not() -> N
     assert len(peers) == 1
     assert still_open == 0
     assert len(closed_after) == 1
-    assert 0.25 < closed_after[0] < 1.4  # at 0.3 s, a busy loop allowing
+    assert 0.25 < closed_after[0] < 1.4  # due at 0.3 s; the margin is for a busy loop
 
 
 def test_content_length_and_until_close_bodies() -> None:
