@@ -112,12 +112,12 @@ def http_client(settings: Settings, url: str,
     (``adapters.http.EngineKey``); a client's requests carry the client's credentials."""
     key = settings.engine_key_for(url)
     auth = EngineKey(key, httpx.URL(url).path) if key is not None else None
-    # Every connection that ends a request well is kept for the next: there are never more
-    # than requests ran at once, one per engine slot and the probes. A cap below the slots
-    # (it was 64) closed a quarter of the connections at 256 streams, and each new one cost
-    # a connect and a teardown on both sides. Kept for a second, not httpx's 5 s: until its
-    # own 5 s timeout, llama-server wakes a thread every 10 ms per idle connection, so a
-    # probe every 5 s kept an idle engine waking 100 times a second for good.
+    # A connection that ends a request well while others to the engine run is kept for the
+    # next (adapters.h1 closes one that ended the only request running): no cap, as there
+    # are never more than requests ran at once, one per engine slot and the probes; a cap
+    # below the slots (it was 64) closed a quarter of them at 256 streams, each new one a
+    # connect and a teardown on both sides. Kept a second, not httpx's 5 s: until its own
+    # 5 s timeout, llama-server wakes a thread every 10 ms per idle connection.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
                           keepalive_expiry=ENGINE_KEEPALIVE_S)
     if transport is None:

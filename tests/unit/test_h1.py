@@ -67,8 +67,10 @@ async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
         await srv.wait_closed()
 
 
-def client(url: str, bounds: EngineBounds | None = None, **timeouts: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, transport=H1Transport(bounds=bounds),
+def client(url: str, bounds: EngineBounds | None = None, *, keep_when_quiet: bool = False,
+           **timeouts: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url,
+                             transport=H1Transport(bounds=bounds, keep_when_quiet=keep_when_quiet),
                              timeout=httpx.Timeout(timeouts.get("read", 5.0), **timeouts))
 
 
@@ -111,7 +113,7 @@ def test_a_chunked_event_stream_arrives_as_sent_and_the_connection_is_reused() -
             await stream_events(writer, events, 0.01)
 
     async def run() -> tuple[list[bytes], list[bytes], list[int]]:
-        async with server(handler) as (url, peers), client(url) as http:
+        async with server(handler) as (url, peers), client(url, keep_when_quiet=True) as http:
             first = await stream_chunks(http)
             second = await stream_chunks(http)
         return first, second, peers
@@ -142,7 +144,7 @@ def test_an_idle_connection_is_closed_at_its_expiry_and_one_in_use_is_not() -> N
     async def run() -> tuple[list[int], int]:
         limits = httpx.Limits(keepalive_expiry=0.3)
         async with server(handler) as (url, peers), httpx.AsyncClient(
-                base_url=url, transport=H1Transport(limits)) as http:
+                base_url=url, transport=H1Transport(limits, keep_when_quiet=True)) as http:
             for _ in range(3):  # within the expiry: one connection, kept
                 assert (await http.get("/health")).text == "ok"
                 await asyncio.sleep(0.1)
@@ -155,6 +157,43 @@ def test_an_idle_connection_is_closed_at_its_expiry_and_one_in_use_is_not() -> N
     assert still_open == 0
     assert len(closed_after) == 1
     assert 0.25 < closed_after[0] < 1.4  # due at 0.3 s; the margin is for a busy loop
+
+
+def test_a_connection_is_kept_only_while_another_exchange_with_its_engine_runs() -> None:
+    """Sequential requests each open a connection, closed when its answer ends (kept
+    between them, a CPU llama-server prefilled prompts slower); one that ends while
+    another runs is kept, and the next request takes it."""
+    closes: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")[1]
+        while True:
+            try:
+                request = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                closes.append(peer)
+                return
+            if request.startswith(b"GET /slow "):
+                await asyncio.sleep(0.3)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        async with server(handler) as (url, peers), client(url) as http:
+            for _ in range(2):
+                assert (await http.get("/health")).text == "ok"
+            await asyncio.sleep(0.05)  # the closes reach the server
+            sequential, closed_then = list(peers), list(closes)
+            slow = asyncio.create_task(http.get("/slow"))
+            await asyncio.sleep(0.05)
+            for _ in range(2):  # while /slow runs: the first one's connection is reused
+                assert (await http.get("/health")).text == "ok"
+            assert (await slow).text == "ok"
+            return sequential, closed_then, peers[len(sequential):]
+
+    sequential, closed_then, during = asyncio.run(run())
+    assert len(sequential) == 2
+    assert closed_then == sequential
+    assert len(during) == 2  # /slow's and one for both /health requests
 
 
 def test_content_length_and_until_close_bodies() -> None:
@@ -394,7 +433,7 @@ def test_a_pushed_body_goes_to_the_sink_from_the_read_itself_and_the_connection_
             got.append(data)
             tasks.append(asyncio.current_task())
 
-        async with server(handler) as (url, peers), client(url) as http:
+        async with server(handler) as (url, peers), client(url, keep_when_quiet=True) as http:
             await push_all(http, sink)
             await push_all(http, sink)
         return got, tasks, peers
@@ -596,7 +635,7 @@ def test_open_tells_the_final_head_below_400_from_its_read() -> None:
             told.append((status, opened[0]))
 
         async with server(answer) as (url, _), EngineClient(
-                base_url=url, transport=H1Transport()) as http:
+                base_url=url, transport=H1Transport(keep_when_quiet=True)) as http:
             target = http.build_request("POST", "/v1/chat/completions").url
             for _ in answers:
                 response = await http.open("POST", target, content=b"{}", headers=[],
