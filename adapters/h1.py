@@ -191,12 +191,13 @@ class H1Transport(httpx.AsyncBaseTransport):
         self._running[key] -= 1
 
     def _release(self, key: tuple[str, int], connection: _Connection) -> None:
-        """Keep ``connection`` for the next request, or close it. Kept only while another
-        exchange with the engine runs (where a connection is what the next one saves):
-        sequential requests each open their own. On a CPU llama-server sharing its cores,
-        prompts prefilled about 10% slower when the proxy kept its connections between
-        sequential requests (``bench/long.py``, docs/benchmarks.md); a new loopback
-        connection costs about 0.3 ms and 0.2 ms of CPU a request."""
+        """Keep ``connection`` for the next request, or close it. It is kept when it ends
+        while another exchange with the engine runs (where a connection is what the next
+        one saves), then until taken or ``keepalive_expiry`` (``_close_expired``); one that
+        ends the only exchange closes, so sequential requests each open their own. Why: a
+        CPU llama-server sharing its cores prefilled prompts more slowly when the proxy kept
+        its connections between sequential requests (docs/benchmarks.md, ``bench/long.py``),
+        and a new loopback connection is a fraction of a millisecond."""
         quiet = not self._running.get(key) and not self._keep_when_quiet
         if quiet or self._closed or not connection.reusable(time.monotonic(), None) or (
                 self._max_idle is not None and self._n_idle >= self._max_idle):

@@ -164,6 +164,7 @@ def test_a_connection_is_kept_only_while_another_exchange_with_its_engine_runs()
     between them, a CPU llama-server prefilled prompts slower); one that ends while
     another runs is kept, and the next request takes it."""
     closes: list[int] = []
+    slow_arrived, slow_may_answer = asyncio.Event(), asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")[1]
@@ -174,19 +175,24 @@ def test_a_connection_is_kept_only_while_another_exchange_with_its_engine_runs()
                 closes.append(peer)
                 return
             if request.startswith(b"GET /slow "):
-                await asyncio.sleep(0.3)
+                slow_arrived.set()
+                await slow_may_answer.wait()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
 
     async def run() -> tuple[list[int], list[int], list[int]]:
         async with server(handler) as (url, peers), client(url) as http:
             for _ in range(2):
                 assert (await http.get("/health")).text == "ok"
-            await asyncio.sleep(0.05)  # the closes reach the server
+            for _ in range(200):  # until the closes reach the server (2 s at most)
+                if len(closes) >= 2:
+                    break
+                await asyncio.sleep(0.01)
             sequential, closed_then = list(peers), list(closes)
             slow = asyncio.create_task(http.get("/slow"))
-            await asyncio.sleep(0.05)
+            await slow_arrived.wait()
             for _ in range(2):  # while /slow runs: the first one's connection is reused
                 assert (await http.get("/health")).text == "ok"
+            slow_may_answer.set()
             assert (await slow).text == "ok"
             return sequential, closed_then, peers[len(sequential):]
 
