@@ -74,10 +74,7 @@ def engine_transport(limits: httpx.Limits, *, http: str = "httptools",
     (``Settings.engine_http``) asks for it, else None (httpx's own)."""
     if httptools is None or http == "httpx":
         return None
-    # Engines keep connections between sequential requests for now: with the rule
-    # (``keep_when_quiet=False``) tests/app/test_faults.py::test_connection_resets_are_a_clear_error
-    # failed 3 times in 15 on an unclosed server-side socket, not yet understood.
-    return H1Transport(limits, bounds=bounds, keep_when_quiet=True)
+    return H1Transport(limits, bounds=bounds)
 
 
 class ReadShare:

@@ -124,6 +124,12 @@ def run_tap(target_host: str, target_port: int, **options: object) -> Iterator[T
         ready.set()
         async with server:
             await stop.wait()
+            # A connection made just before the stop (the proxy's last health probe, say)
+            # is accepted and refused while the server still serves: Python 3.11 drops the
+            # socket of one accepted after server.close() unclosed (its transport asserts
+            # the server is serving), a ResourceWarning.
+            tap.refusing = True
+            await asyncio.sleep(0.05)
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in pending:
             task.cancel()
