@@ -10,7 +10,6 @@ read from /proc.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import tempfile
@@ -24,7 +23,7 @@ import pytest
 from prefixpin.proxy.cli import main
 from tests.fakes.servers import free_port
 from tests.rig.llama_build import ensure_llama_server
-from tests.rig.llama_process import LlamaServerProcess, stop, wait_healthy
+from tests.rig.llama_process import LlamaServerProcess, engine_threads, stop, wait_healthy
 from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.llama
@@ -40,7 +39,7 @@ def llama_server(model: str, flags: list[str]) -> Iterator[LlamaServerProcess]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="prefixpin-doctor-") as tmp:
         command = ["nice", "-n", "10", str(ensure_llama_server()), "-m", str(ensure_model(model)),
-                   "--host", "127.0.0.1", "--port", str(port), "-t", str(os.cpu_count() or 2),
+                   "--host", "127.0.0.1", "--port", str(port), "-t", str(engine_threads()),
                    "--no-webui", *(f.replace("{tmp}", tmp) for f in flags)]
         log_path = Path(tmp) / "llama-server.log"
         with log_path.open("wb") as log:

@@ -41,7 +41,7 @@ COUNTS: Counter[str] = Counter()
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaServerProcess]:
     """A llama-server of this module's own (2 slots of 4k): the tests kill it."""
-    with run_llama_server("smollm2", slots=2, ctx_per_slot=4096, threads=2) as handle:
+    with run_llama_server("smollm2", slots=2, ctx_per_slot=4096) as handle:
         yield handle
 
 

@@ -18,6 +18,35 @@ from tests.rig.llama_build import ensure_llama_server
 from tests.rig.models import ensure_model
 
 
+def engine_threads(sample_s: float = 0.25) -> int:
+    """How many compute threads a test engine gets: the cores no other work keeps busy as
+    it starts, at least one.
+
+    llama.cpp's threads meet at a barrier after every operation, so the engine moves at the
+    pace of its slowest thread: beside another CPU-bound job on two cores, two threads ran
+    an end-to-end module over 4x slower than one, while alone two are 1.5x faster. The idle
+    share of the cores is read from ``/proc/stat``; without it every core counts as free.
+    """
+    cores = os.cpu_count() or 1
+    try:
+        before = _cpu_ticks()
+        time.sleep(sample_s)
+        after = _cpu_ticks()
+    except OSError:
+        return cores
+    total, idle = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return cores
+    return max(1, min(cores, round(idle / total * cores)))
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(all ticks, idle and iowait ticks) since boot, summed over every core."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    return sum(fields[:8]), fields[3] + fields[4]
+
+
 @dataclass(slots=True)
 class LlamaServerProcess:
     url: str
@@ -55,7 +84,8 @@ def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_s
 
     It runs at a lower CPU priority (``nice``): on a 2-core machine its compute threads
     would otherwise starve the proxy and the test client, which on a real GPU box never
-    compete with the engine for the CPU.
+    compete with the engine for the CPU. Without ``threads`` it takes the cores that are
+    free as it starts (:func:`engine_threads`).
     """
     binary = ensure_llama_server()
     model_file = Path(model) if isinstance(model, Path) or "/" in str(model) else ensure_model(
@@ -69,7 +99,7 @@ def run_llama_server(model: str | Path = "smollm2", *, slots: int = 2, ctx_per_s
             save_dir = slot_save_path
         handle = start_llama_server(binary, model_file, Path(tmp) / "llama-server.log",
                                     slots=slots, ctx_per_slot=ctx_per_slot,
-                                    slot_save_path=save_dir, threads=threads or os.cpu_count() or 2,
+                                    slot_save_path=save_dir, threads=threads or engine_threads(),
                                     extra=extra, port=port or free_port(),
                                     startup_timeout=startup_timeout, nice=nice)
         try:
