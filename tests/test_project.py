@@ -5,15 +5,12 @@ tests (the test rig is tests/rig/, which product code never imports)."""
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -138,25 +135,12 @@ def _modules(site: Path) -> set[str]:
             if path.is_file() and "__pycache__" not in path.parts}
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    """Poll ``url`` until it answers 200; fail at once if ``process`` exits. A cold start
-    on busy cores (the imports alone) can take seconds."""
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None, log.read_text()
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not answer: {log.read_text()}"
-        time.sleep(0.2)
-
-
 def _serves(site: Path, cwd: Path) -> None:
     """The installed console script answers --help, and ``serve`` relays a chat completion
     from a fake llama-server (PYTHONPATH: the install comes before this venv's own)."""
-    from tests.fakes.servers import free_ports
+    from tests.fakes.fake_llama import FakeLlamaServer
+    from tests.fakes.servers import serve_in_thread
+    from tests.rig.replica_process import run_replica
 
     env = {**os.environ, "PYTHONPATH": str(site)}
     script = site / "bin" / "prefixpin"
@@ -164,35 +148,13 @@ def _serves(site: Path, cwd: Path) -> None:
                             text=True, timeout=60)
     assert helped.returncode == 0, helped.stderr
     assert "serve" in helped.stdout
-    engine_port, proxy_port = free_ports(2)
-    log = cwd / "serve.log"
-    with contextlib.ExitStack() as processes:
-        engine = processes.enter_context(_running(
-            [sys.executable, "-m", "tests.fakes.fake_llama", "--port", str(engine_port)],
-            cwd=ROOT, env=None, log=cwd / "engine.log"))
-        _wait_healthy(f"http://127.0.0.1:{engine_port}/health", engine, cwd / "engine.log")
-        proxy = processes.enter_context(_running(
-            [str(script), "serve", "--upstream", f"http://127.0.0.1:{engine_port}",
-             "--port", str(proxy_port), "--log-level", "warning"], cwd=cwd, env=env, log=log))
-        url = f"http://127.0.0.1:{proxy_port}"
-        _wait_healthy(url + "/healthz", proxy, log)
-        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+    with serve_in_thread(FakeLlamaServer().app()) as engine, run_replica(
+            [engine], cwd / "serve.log", program=[str(script)], cwd=cwd, env=env,
+            args=["--log-level", "warning"], operator=False) as proxy:
+        answer = httpx.post(proxy.url + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"]
-
-
-@contextlib.contextmanager
-def _running(command: list[str], *, cwd: Path, env: dict[str, str] | None,
-             log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
-                                   stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.mark.slow
