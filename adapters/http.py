@@ -26,6 +26,7 @@ from prefixpin.core.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
+from prefixpin.core.frames import parse_json_object
 
 # A request extension marking a client's request forwarded as it came
 # (``proxy.listen.passthrough``):
@@ -298,18 +299,9 @@ def _json_body(response: httpx.Response, what: str) -> Any:
         raise UpstreamStatusError(response.status_code, response.content,
                                   response.headers.get("content-type"))
     try:
-        return decode_json(response.content)
+        return parse_json_object(response.content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamProtocolError(f"{what}: engine sent invalid JSON") from exc
-
-
-def decode_json(content: bytes) -> Any:
-    """An engine's JSON answer; orjson (a tokenized conversation is a list of a hundred
-    thousand ids), the standard library for what orjson refuses (integers past 64 bits)."""
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return json.loads(content)
 
 
 T = TypeVar("T")

@@ -50,7 +50,6 @@ from prefixpin.core.ndjson import Line, NDJSONDecoder
 from prefixpin.core.sse import SSEDecoder
 
 CACHED_COUNT_SINCE = (0, 33, 3)  # ollama/ollama#17943: prompt_eval_cached_count
-WHOLE_PROMPT_COUNT_SINCE = (0, 30, 1)  # ollama/ollama#16428: prompt_eval_count = cache + new
 NATIVE_PATHS = frozenset({"/api/chat", "/api/generate"})
 # The proxy also serves the OpenAI routes without /v1; Ollama has them only under /v1.
 OPENAI_PATHS = {"/chat/completions": "/v1/chat/completions"}

@@ -286,26 +286,9 @@ def parse_progress(value: object) -> Progress | None:
                     time_ms=max(0.0, float(time_ms)))
 
 
-def chunk_has_output(choices: object) -> bool:
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        # dict first: what orjson makes (the Mapping check is an ABC's, slower per event)
-        if not isinstance(choice, dict | Mapping):
-            continue
-        if choice.get("text"):  # /v1/completions
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict | Mapping) and (
-            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-        ):
-            return True
-    return False
-
-
 def _output_and_finish(choices: object) -> tuple[bool, bool]:
-    """``chunk_has_output``, and whether a choice has a ``finish_reason``, in one pass (per
-    event: no generator)."""
+    """Whether a choice carries output (text, content, reasoning or tool calls), and whether
+    one has a ``finish_reason``, in one pass (per event: no generator)."""
     if not isinstance(choices, list):
         return False, False
     output = finish = False

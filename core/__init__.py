@@ -5,8 +5,7 @@
 - ``core.frames``: the normalized events of an engine's output stream;
 - ``core.sse``, ``core.ndjson``: sans-IO codecs of the two streamed wire formats;
 - ``core.figures``: the cache figures a stream carries (prompt, cached, timings);
-- ``core.streaming``: the streamed ASGI response and the wait for a client's disconnect;
-- ``core.asgi_transport``: an httpx transport that streams from an in-process ASGI app.
+- ``core.streaming``: the streamed ASGI response and the wait for a client's disconnect.
 
 Nothing here imports from ``proxy`` or ``adapters``.
 """

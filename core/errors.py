@@ -4,7 +4,6 @@
     ├── ClientError                 the request is at fault: 4xx, nothing was forwarded
     │   ├── BadRequestError         400 invalid JSON, schema, roles
     │   ├── PayloadTooLargeError    413 body over --max-body
-    │   ├── NotFoundError           404
     │   └── ClientDisconnectedError 499 the client left before its body was read
     ├── RetryLaterError             busy, not the request at fault: + Retry-After
     │   ├── QueueTimeoutError       503 waited --queue-timeout for a slot
@@ -61,11 +60,6 @@ class PayloadTooLargeError(ClientError):
     status_code = 413
     code = "payload_too_large"
     limit = "body_size"
-
-
-class NotFoundError(ClientError):
-    status_code = 404
-    code = "not_found"
 
 
 class ClientDisconnectedError(ClientError):

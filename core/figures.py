@@ -185,10 +185,6 @@ def with_cached_tokens(frame: Frame, frames: Sequence[Frame],
     return Frame(frame.kind, raw, data, frame.progress, frame.has_output)
 
 
-def is_usage(frame: Frame) -> bool:
-    return frame.kind is FrameKind.USAGE
-
-
 def count_of(value: object) -> int | None:
     """A token count as the engine sent it: a non-negative integer, else unknown."""
     number = _integer(value)

@@ -165,8 +165,8 @@ class _LoadProgress:
 class EmbeddedEngine:
     """One model, ``n_slots`` slot contexts and their worker threads.
 
-    Construction loads the model synchronously (use ``await EmbeddedEngine.aopen(config)``
-    from async code); ``aclose()`` stops running jobs and frees everything.
+    Construction loads the model synchronously (from async code, in a thread);
+    ``aclose()`` stops running jobs and frees everything.
     """
 
     def __init__(self, config: EngineConfig, *, progress_stream: TextIO | None = None) -> None:
@@ -198,11 +198,6 @@ class EmbeddedEngine:
         self._jobs: set[Job] = set()
         self._next_task = 0
         self._closed = False
-
-    @classmethod
-    async def aopen(cls, config: EngineConfig) -> EmbeddedEngine:
-        """Load off the event loop."""
-        return await asyncio.to_thread(cls, config)
 
     def _create_slots(self, config: EngineConfig) -> list[Slot]:
         threads = config.n_threads or _default_threads()

@@ -165,8 +165,9 @@ def parse_messages(raw: bytes, *, max_messages: int,
     converted = convert_request(body, each)
     messages = converted["messages"]  # (perhaps none: the engine judges, as llama-server)
     if len(messages) > max_messages:
-        raise _bad(f"'messages' converts to {len(messages)} chat messages (each tool result "
-                   f"is one); the limit is {max_messages}", "messages")
+        raise BadRequestError(f"'messages' converts to {len(messages)} chat messages (each "
+                              f"tool result is one); the limit is {max_messages}",
+                              param="messages")
     check_converted(messages, max_messages, opening=len(messages) - sum(map(len, each)),
                     reused=sum(map(len, earlier)))
     check_field_types(converted, FIELD_TYPES["chat"])
@@ -174,10 +175,6 @@ def parse_messages(raw: bytes, *, max_messages: int,
         memo.keep(raw, resent if resent is not None else body, ANTHROPIC, converted=each)
     return ClientRequest("chat", ENGINE_PATH, converted, body.get("stream") is True,
                          False, False, "anthropic", source=body)
-
-
-def _bad(message: str, param: str) -> BadRequestError:
-    return BadRequestError(message, param=param)
 
 
 # -- errors ------------------------------------------------------------------------------

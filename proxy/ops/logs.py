@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any
 
 import orjson
@@ -61,7 +60,3 @@ def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> 
     if logger.isEnabledFor(level):
         logger.handle(logger.makeRecord(logger.name, level, "", 0, event, (), None,
                                         extra={"fields": fields}))
-
-
-def monotonic_ms(start: float) -> float:
-    return round((time.monotonic() - start) * 1000, 1)

@@ -20,10 +20,6 @@ TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6553
 FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
-OUTCOMES = ("ok", "client_error", "upstream_error", "cancelled", "queue_timeout")
-SOURCES = ("measured", "estimated")
-
-
 T = TypeVar("T")
 
 

@@ -197,12 +197,7 @@ class ProxyService:
         generation = self._start(plan, client, codec, arrival, incoming.namespace)
         self.inflight.add(key, generation, reservation)
         generation.on_done(lambda g: self.inflight.remove(key, g))
-        return await respond(
-            request, client, codec, generation, arrival=arrival,
-            first_byte_s=self.settings.first_byte_ms / 1000,
-            heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
-            fill_cached=self.backend.adapter.capabilities.measured_cache,
-        )
+        return await self._respond(request, client, codec, generation, arrival)
 
     async def _join(self, request: Request, client: ClientRequest, codec: Codec,
                     generation: Generation, arrival: float) -> Response:
@@ -211,12 +206,15 @@ class ProxyService:
         log_event(self.log, logging.INFO, "joined in flight", api=client.api,
                   endpoint=client.endpoint,
                   stream=client.stream, frames_so_far=len(generation.frames))
+        return await self._respond(request, client, codec, generation, arrival)
+
+    async def _respond(self, request: Request, client: ClientRequest, codec: Codec,
+                       generation: Generation, arrival: float) -> Response:
         return await respond(
             request, client, codec, generation, arrival=arrival,
             first_byte_s=self.settings.first_byte_ms / 1000,
             heartbeat_s=self.settings.heartbeat_s, on_heartbeat=self.metrics.heartbeats.inc,
-            fill_cached=self.backend.adapter.capabilities.measured_cache,
-        )
+            fill_cached=self.backend.adapter.capabilities.measured_cache)
 
     async def aclose(self) -> None:
         for generation in list(self.generations):

@@ -76,9 +76,6 @@ def _rendered_calls(calls: list[Any]) -> list[Any]:
 Cause = Literal["reasoning_stripped", "tool_result_trimmed", "tool_args_reserialized",
                 "window_moved", "system_changed", "tools_changed", "edited", "new_turn_only",
                 "shorter", "none"]
-CAUSES: tuple[Cause, ...] = ("reasoning_stripped", "tool_result_trimmed",
-                             "tool_args_reserialized", "window_moved", "system_changed",
-                             "tools_changed", "edited", "new_turn_only", "shorter", "none")
 
 
 def canonical_bytes(value: Any) -> bytes:

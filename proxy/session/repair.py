@@ -47,7 +47,6 @@ TRIM_CHARS = 400
 TRIM_MARK = "\n[... trimmed by prefixpin to fit the context]"
 
 Message = Mapping[str, Any]
-TokenCount = Callable[[Sequence[Message], Any], int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,13 +241,6 @@ class SessionStore:
             grouped.setdefault(session.namespace, []).append(session)
         return grouped
 
-    def mark_unverified(self, reason: str) -> None:
-        """The proxy can no longer vouch for what the engine holds (it stopped answering):
-        every session says so until bytes decide again on its next request."""
-        for session in self._sessions.values():
-            session.last_decision = "unverified"
-            session.last_reason = reason
-
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 

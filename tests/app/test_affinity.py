@@ -12,7 +12,6 @@ import anyio
 import httpx
 import pytest
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.fingerprint import edge_texts, fingerprint_view
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.session.affinity import AffinityPlanner
@@ -22,6 +21,7 @@ from prefixpin.proxy.settings import Settings
 from tests.app.conftest import clients_of, running_proxy
 from tests.app.test_parking import SlotFileFakeLlama, metric, park_files
 from tests.app.test_parking import settings as park_settings
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.rig.models import ensure_model
 

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.engine.backends import MemoryHomes, rendezvous, session_identity
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio

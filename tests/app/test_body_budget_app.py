@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import ProxyApps, create_apps
 from prefixpin.proxy.pipeline.validation import BodyBudget
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of
 from tests.app.test_parking import metric
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio

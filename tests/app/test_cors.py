@@ -15,10 +15,10 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaServer
 from tests.ollama.conftest import proxy_rig
 

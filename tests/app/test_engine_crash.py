@@ -30,12 +30,12 @@ import httpx
 import pytest
 
 from prefixpin.adapters.embedded import EmbeddedAdapter
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_faults import Capture, chat, read, sessions_when, wait_until
 from tests.app.test_parking import ask, cached, conversation, index_dir, metric, prompt
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio

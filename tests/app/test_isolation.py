@@ -16,12 +16,12 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_app, create_apps
 from prefixpin.proxy.listen.tenants import ANONYMOUS
 from prefixpin.proxy.pipeline.router import Router
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import clients_of, lanes_ready, running_proxy
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.ollama.conftest import MODEL, proxy_rig
 

@@ -19,12 +19,12 @@ import pytest
 
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.engine.engines import ENGINES, EngineKind, kind_of, register
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
 from tests.app.test_backends import Switch
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.fake_ollama import FakeOllamaConfig, create_fake_ollama, fake_ollama_state
 from tests.ollama.conftest import MODELS, instant_sleep

@@ -561,9 +561,9 @@ async def test_the_embedded_engine_parks_and_restores_its_own_slot_files(
     """The embedded llama.cpp engine (one slot): its files go to Settings.slot_dir(), the
     index beside them; A is parked when B comes, restored when A returns, and restored
     again by a new proxy after a restart (a clean shutdown parked it)."""
-    from prefixpin.core.asgi_transport import StreamingASGITransport
     from prefixpin.proxy.listen.app import create_app
     from prefixpin.proxy.settings import Settings
+    from tests.asgi_transport import StreamingASGITransport
     from tests.rig.models import ensure_model
 
     config = Settings(model=ensure_model("smollm2"), slots=1, ctx_size=2048, threads=2,

@@ -23,12 +23,12 @@ import pytest
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_app
 from prefixpin.proxy.listen.http_limits import http_options
 from prefixpin.proxy.listen.passthrough import forward
 from prefixpin.proxy.listen.paths import PathRejected, canonical_paths, is_canonical
 from prefixpin.proxy.settings import Settings
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.fakes.servers import serve_in_thread
 from tests.unit.test_paths import REJECT, aliases

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_app
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import running_proxy
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import LINGER_S, FakeLlamaServer
 
 pytestmark = pytest.mark.anyio

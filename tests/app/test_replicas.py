@@ -17,10 +17,10 @@ import httpx
 import pytest
 import redis
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
 from tests.app.conftest import ProxyClient, clients_of, lanes_ready
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaConfig, FakeLlamaServer
 from tests.rig.redis_process import RedisProcess, run_redis_server
 

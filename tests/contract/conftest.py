@@ -22,7 +22,7 @@ import pytest
 from prefixpin.adapters.base import Adapter, UpstreamCall
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter
-from prefixpin.core.asgi_transport import StreamingASGITransport
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_ollama import FakeModel, FakeOllamaConfig, create_fake_ollama
 from tests.rig.llama_process import LlamaServerProcess, run_llama_server
 from tests.rig.models import ensure_model

@@ -19,9 +19,9 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.proxy.listen.app import create_apps
 from prefixpin.proxy.settings import Settings
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_ollama import (
     FakeModel,
     FakeOllama,

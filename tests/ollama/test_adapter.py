@@ -25,11 +25,11 @@ from starlette.routing import Route
 
 from prefixpin.adapters.llama_server import LlamaServerAdapter
 from prefixpin.adapters.ollama import OllamaAdapter, detect_engine
-from prefixpin.core.asgi_transport import StreamingASGITransport
 from prefixpin.core.errors import UpstreamProtocolError
 from prefixpin.proxy.engine.ollama import OllamaPlanner
 from prefixpin.proxy.listen.app import create_app
 from prefixpin.proxy.settings import Settings
+from tests.asgi_transport import StreamingASGITransport
 from tests.fakes.fake_llama import FakeLlamaServer
 from tests.fakes.fake_ollama import NEW_VERSION, OLD_VERSION, create_fake_ollama
 from tests.fakes.servers import free_port

@@ -121,9 +121,6 @@ class ChatTemplate:
         environment.filters["tojson"] = _tojson
         self._template = environment.from_string(self.source)
 
-    def supports_thinking(self) -> bool:
-        return "enable_thinking" in self.source
-
     def render(self, body: Mapping[str, Any]) -> str:
         """The prompt llama-server's /apply-template would return for this request body."""
         messages = body.get("messages")

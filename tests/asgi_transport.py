@@ -3,8 +3,8 @@
 httpx's own ``ASGITransport`` collects the whole body before returning, which would hide
 every streaming behaviour (first byte, heartbeats, disconnects). This one returns as soon
 as the app sends its response start, yields body chunks as the app sends them, and tells
-the app ``http.disconnect`` when the response is closed early. The embedded engine and the
-fake engines used by tests and benchmarks are reached through it.
+the app ``http.disconnect`` when the response is closed early. The suite reaches the
+proxy's app and its fake engines through it, in process.
 """
 
 from __future__ import annotations
