@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,12 @@ import pytest
 from prefixpin.proxy.cli import main
 from tests.fakes.servers import free_port
 from tests.rig.llama_build import ensure_llama_server
-from tests.rig.llama_process import LlamaServerProcess, engine_threads, stop, wait_healthy
+from tests.rig.llama_process import (
+    LlamaServerProcess,
+    engine_threads,
+    launch_llama_server,
+    stop,
+)
 from tests.rig.models import ensure_model
 
 pytestmark = pytest.mark.llama
@@ -35,20 +39,15 @@ SMALL = ("--min-ctx", "512")  # the test servers keep 512 tokens per slot
 @contextmanager
 def llama_server(model: str, flags: list[str]) -> Iterator[LlamaServerProcess]:
     """llama-server with exactly ``flags`` (``{tmp}`` becomes a fresh directory): the
-    rig's launcher always adds --metrics, which one test must leave out."""
+    rig's ``run_llama_server`` always adds --metrics, which one test must leave out."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="prefixpin-doctor-") as tmp:
-        command = ["nice", "-n", "10", str(ensure_llama_server()), "-m", str(ensure_model(model)),
-                   "--host", "127.0.0.1", "--port", str(port), "-t", str(engine_threads()),
-                   "--no-webui", *(f.replace("{tmp}", tmp) for f in flags)]
-        log_path = Path(tmp) / "llama-server.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
-        handle = LlamaServerProcess(f"http://127.0.0.1:{port}", port, process, log_path, None,
-                                    tuple(command))
+        args = ["-m", str(ensure_model(model)), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(engine_threads()), "--no-webui",
+                *(f.replace("{tmp}", tmp) for f in flags)]
+        handle = launch_llama_server(ensure_llama_server(), args,
+                                     Path(tmp) / "llama-server.log", port=port)
         try:
-            wait_healthy(handle, 120)
             yield handle
         finally:
             stop(handle)

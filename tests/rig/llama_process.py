@@ -114,6 +114,15 @@ def start_llama_server(binary: Path, model: Path, log_path: Path, *, slots: int,
                        startup_timeout: float, nice: int = 10) -> LlamaServerProcess:
     args = llama_args(model, port, slots=slots, ctx_per_slot=ctx_per_slot,
                       slot_save_path=slot_save_path, threads=threads, extra=extra)
+    return launch_llama_server(binary, args, log_path, port=port, slot_save_path=slot_save_path,
+                               startup_timeout=startup_timeout, nice=nice)
+
+
+def launch_llama_server(binary: Path, args: Sequence[str], log_path: Path, *, port: int,
+                        slot_save_path: Path | None = None, startup_timeout: float = 120.0,
+                        nice: int = 10) -> LlamaServerProcess:
+    """llama-server with exactly ``args``, healthy (``start_llama_server`` adds the rig's
+    own: slots, context, threads, ``--metrics``)."""
     log = log_path.open("ab")
     command = ["nice", "-n", str(nice), str(binary), *args] if nice else [str(binary), *args]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
