@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -198,15 +199,21 @@ class ChunkedBodyWriter:
     listener's protocol offers ``write`` in each request's scope under the relay's
     extension name (``proxy.pipeline.relay.BODY_WRITER``): the relay knows the name, never
     this class.
+
+    It holds the cycle weakly: the cycle's scope holds the writer, and a strong reference
+    back would make every request a reference cycle, its scope, body and events kept until
+    the collector's next older generation runs instead of freed as the response ends.
     """
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: ResponseCycle) -> None:
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)
 
     def write(self, body: bytes) -> bool:
-        cycle = self._cycle
+        cycle = self._cycle()
+        if cycle is None:
+            return False
         # A started chunked response, not complete, its client there, its socket under the
         # high-water mark: the chunk may go to the transport without ``send``. (Checked
         # inline: one call per relayed event fewer.)

@@ -5,7 +5,9 @@ loop's turn, in order, nothing lost at a close; and a body chunk written as uvic
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import weakref
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -158,6 +160,21 @@ def test_a_chunk_is_written_as_uvicorn_s_send_writes_it() -> None:
         assert b"transfer-encoding: chunked" in by_send.writes[0]
 
     asyncio.run(run())
+
+
+def test_a_request_s_cycle_is_freed_when_its_response_ends_not_by_the_collector() -> None:
+    """The scope offers the writer, the writer reads the cycle: held strongly, that is a
+    reference cycle per request, kept until the collector's older generations run."""
+    cycle = cycle_on(RecordingTransport())
+    scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+    scope["extensions"] = {"writer": ChunkedBodyWriter(cycle).write}
+    freed = weakref.ref(cycle)
+    gc.disable()
+    try:
+        del cycle
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("case", ["not started", "content-length", "HEAD", "complete",
