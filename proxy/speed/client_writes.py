@@ -99,8 +99,10 @@ class BatchedTransport(asyncio.Transport):
         self._transport = transport
         self._batch = batch
         # Asked at ``close``: true when its protocol closes the socket itself, later (a
-        # linger after an answer that came before the request's body had all arrived).
-        self._closes_later = closes_later
+        # linger after an answer that came before the request's body had all arrived). A
+        # method of the protocol, which holds this transport: held weakly, or every
+        # connection would be a reference cycle left to the collector's older generations.
+        self._closes_later = None if closes_later is None else weakref.WeakMethod(closes_later)
         self._kept: list[bytes] = []
         self._kept_bytes = 0
 
@@ -137,7 +139,8 @@ class BatchedTransport(asyncio.Transport):
 
     def close(self) -> None:
         self.flush()
-        if self._closes_later is not None and self._closes_later():
+        closes_later = self._closes_later() if self._closes_later is not None else None
+        if closes_later is not None and closes_later():
             return
         self._transport.close()
 

@@ -162,6 +162,36 @@ def test_a_chunk_is_written_as_uvicorn_s_send_writes_it() -> None:
     asyncio.run(run())
 
 
+class Lingering:
+    """A protocol that holds its transport and closes the socket itself, later."""
+
+    def __init__(self, socket: RecordingTransport, batch: WriteBatch) -> None:
+        self.transport = BatchedTransport(socket, batch, closes_later=self.closes_later)
+
+    def closes_later(self) -> bool:
+        return True
+
+
+def test_a_protocol_that_closes_later_is_asked_and_freed_without_the_collector() -> None:
+    async def run() -> None:
+        socket = RecordingTransport()
+        protocol = Lingering(socket, WriteBatch(asyncio.get_running_loop()))
+        transport = protocol.transport
+        transport.close()
+        assert "close" not in socket.calls  # the protocol closes it, later
+        freed = weakref.ref(protocol)
+        gc.disable()
+        try:
+            del protocol
+            assert freed() is None
+        finally:
+            gc.enable()
+        transport.close()  # its protocol gone: nobody closes it later
+        assert "close" in socket.calls
+
+    asyncio.run(run())
+
+
 def test_a_request_s_cycle_is_freed_when_its_response_ends_not_by_the_collector() -> None:
     """The scope offers the writer, the writer reads the cycle: held strongly, that is a
     reference cycle per request, kept until the collector's older generations run."""
