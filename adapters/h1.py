@@ -257,6 +257,10 @@ async def _connect(key: tuple[str, int], timeout_s: float | None,
     return connection
 
 
+class _Gone:
+    """The parser callbacks of a connection that is gone: none."""
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection to the engine, one request at a time."""
 
@@ -524,6 +528,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._wake()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_result(None)
+        # The parser calls back into this connection, which holds it: a reference cycle per
+        # connection (its read buffer too) left to the collector, and a request of a single
+        # session opens and closes one. Nothing feeds it once the connection is gone.
+        self._parser = httptools.HttpResponseParser(_Gone())
 
     def pause_writing(self) -> None:
         self.write_paused = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -200,6 +201,33 @@ def test_a_connection_is_kept_only_while_another_exchange_with_its_engine_runs()
     assert len(sequential) == 2
     assert closed_then == sequential
     assert len(during) == 2  # /slow's and one for both /health requests
+
+
+def test_a_closed_connection_is_freed_without_the_collector() -> None:
+    """Its parser calls back into it: held past the connection, each closed connection
+    (one per request of a single session) would be a cycle left to the collector."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    def connections() -> int:
+        return sum(type(o).__name__ == "_Connection" for o in gc.get_objects())
+
+    async def run() -> int:
+        async with server(handler) as (url, _), client(url) as http:
+            for _ in range(3):  # sequential: each opens its own, closed as its answer ends
+                assert (await http.get("/health")).text == "ok"
+            for _ in range(100):
+                await asyncio.sleep(0.01)  # until each connection's loss has arrived
+            return connections()
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert asyncio.run(run()) == 0
+    finally:
+        gc.enable()
 
 
 def test_content_length_and_until_close_bodies() -> None:
