@@ -204,8 +204,8 @@ class ChunkedBodyWriter:
     this class.
 
     It holds the cycle weakly: the cycle's scope holds the writer, and a strong reference
-    back would make every request a reference cycle, its scope, body and events kept until
-    the collector's next older generation runs instead of freed as the response ends.
+    back would make every request a reference cycle, its scope and events kept until the
+    collector's next older generation runs instead of freed as the response ends.
     """
 
     __slots__ = ("_cycle",)

@@ -26,6 +26,7 @@ from prefixpin.proxy.listen.app import ProxyApps, create_apps
 from prefixpin.proxy.listen.http_limits import ConnectionLimits, http_options
 from prefixpin.proxy.pipeline.relay import LiveStream
 from prefixpin.proxy.settings import Settings
+from tests.collector import collector_off
 from tests.fakes import event_shapes
 from tests.fakes.event_shapes import Reshaped, Rewrite, data_of_answer
 from tests.fakes.fake_llama import LINGER_S, FakeLlamaConfig, FakeLlamaServer
@@ -531,14 +532,10 @@ def test_a_finished_stream_is_freed_without_waiting_for_the_collector(relay: str
     the process by 60 MiB a round at 256 streams)."""
     with served(relay) as proxy, \
             httpx.Client(timeout=30) as client:
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             for index in range(5):
                 response = client.post(proxy.url + CHAT, json=chat(f"question {index}"))
                 assert text_of(events_of(response.content)[1]).split() == REPLY.split()
             time.sleep(0.3)  # (the proxy's thread finishes each response's task)
             left = sum(1 for thing in gc.get_objects() if isinstance(thing, LiveStream))
-        finally:
-            gc.enable()
         assert left == 0

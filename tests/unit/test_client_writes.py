@@ -5,7 +5,6 @@ loop's turn, in order, nothing lost at a close; and a body chunk written as uvic
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import weakref
 from collections.abc import MutableMapping
@@ -17,6 +16,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from prefixpin.proxy.speed.client_writes import BatchedTransport, ChunkedBodyWriter, WriteBatch
+from tests.collector import collector_off
 
 
 class RecordingTransport(asyncio.Transport):
@@ -180,12 +180,9 @@ def test_a_protocol_that_closes_later_is_asked_and_freed_without_the_collector()
         transport.close()
         assert "close" not in socket.calls  # the protocol closes it, later
         freed = weakref.ref(protocol)
-        gc.disable()
-        try:
+        with collector_off():
             del protocol
             assert freed() is None
-        finally:
-            gc.enable()
         transport.close()  # its protocol gone: nobody closes it later
         assert "close" in socket.calls
 
@@ -199,12 +196,9 @@ def test_a_request_s_cycle_is_freed_when_its_response_ends_not_by_the_collector(
     scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
     scope["extensions"] = {"writer": ChunkedBodyWriter(cycle).write}
     freed = weakref.ref(cycle)
-    gc.disable()
-    try:
+    with collector_off():
         del cycle
         assert freed() is None
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("case", ["not started", "content-length", "HEAD", "complete",

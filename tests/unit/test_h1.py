@@ -26,6 +26,7 @@ from prefixpin.adapters.h1 import (
 )
 from prefixpin.adapters.http import EngineClient, pushed_body, send_with_stale_retry
 from prefixpin.proxy.settings import Settings
+from tests.collector import collector_off
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -222,12 +223,8 @@ def test_a_closed_connection_is_freed_without_the_collector() -> None:
                 await asyncio.sleep(0.01)  # until each connection's loss has arrived
             return connections()
 
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         assert asyncio.run(run()) == 0
-    finally:
-        gc.enable()
 
 
 def test_content_length_and_until_close_bodies() -> None:
