@@ -187,13 +187,17 @@ def test_openai_errors(proxy: Served) -> None:
 # --------------------------------------------------------------- during a long prefill
 
 def slow_prefill() -> FakeOllamaConfig:
-    """About 1.5 s of prefill for LONG, in 8-token batches; no model load."""
+    """About 2.5 s of prefill for LONG, in 8-token batches; no model load."""
     return fake_config(sleep=FakeOllamaConfig().sleep, load_seconds=0.0,
-                       prefill_seconds_per_token=0.03, batch_tokens=8)
+                       prefill_seconds_per_token=0.05, batch_tokens=8)
 
 
 LONG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 25}]
-READ_TIMEOUT = 0.6  # shorter than the prefill, longer than the heartbeat
+# Shorter than the prefill, and longer than the heartbeat (0.2 s) and the first byte (0.1 s)
+# with 0.8 s to spare: the proxy serves from a thread of the test process, which late in
+# the suite can stall that long (its collector over the suite's heap, the tracer, a loaded
+# machine), and a stall must not read as the proxy's silence.
+READ_TIMEOUT = 1.0
 
 
 def ollama_chat(base: str, stream: bool) -> str:
