@@ -194,9 +194,9 @@ def slow_prefill() -> FakeOllamaConfig:
 
 LONG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 25}]
 # Shorter than the prefill, and longer than the heartbeat (0.2 s) and the first byte (0.1 s)
-# with 0.8 s to spare: the proxy serves from a thread of the test process, which late in
-# the suite can stall that long (its collector over the suite's heap, the tracer, a loaded
-# machine), and a stall must not read as the proxy's silence.
+# with 0.8 s to spare: the proxy serves from a thread of the test process, and once, late
+# in a full run, the SDK waited over 0.5 s for headers the proxy sends at 0.1 s; a stall of
+# the test process must not read as the proxy's silence.
 READ_TIMEOUT = 1.0
 
 
